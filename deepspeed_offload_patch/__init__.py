@@ -1,0 +1,17 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Keep DeepSpeed's ZeRO-1/2 offload overflow flag on the device (DeepSpeed pull request 8963, as a patch).
+
+Importing this package applies the patch: now, if ``deepspeed.runtime.zero.stage_1_and_2`` is already imported, or
+right after it is imported. It never imports DeepSpeed itself. On a DeepSpeed it does not know, on a conflicting
+patch, or without DeepSpeed, it leaves DeepSpeed untouched and says why in ``status()`` (and in one WARNING; an
+error under ``DS_OFFLOAD_PATCH_STRICT=1``). ``DS_OFFLOAD_PATCH_DISABLE=1`` turns the import into a no-op.
+"""
+
+from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, install, is_applied, revert,
+                                             status)
+
+__version__ = "0.1.0"
+__all__ = ["apply", "revert", "is_applied", "status", "PatchStatus", "PatchError", "GOOD_STATES", "__version__"]
+
+install()

@@ -1,0 +1,87 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The whole change to DeepSpeed: two methods of ``DeepSpeedZeroOptimizer``.
+
+They replace, on the class in ``deepspeed/runtime/zero/stage_1_and_2.py``, the methods of the same names:
+
+* ``update_offload_overflow_tracker(grad)`` put the device result of ``_has_inf_or_nan`` into a Python ``if``: one
+  host synchronization per partition gradient at every accumulation boundary, even when nothing reads the flag.
+  Here it returns at once when ``check_grad_overflow`` is off, and otherwise ORs the result into a device bool.
+* ``has_overflow()`` wrapped the host bool in a new tensor. Here it converts the device flag (or the initial
+  Python ``False``) into the uint8 tensor it all-reduces; the host reads it once, after the all-reduce.
+
+Signatures are unchanged, so callers such as ``deepspeed.utils.tensor_fragment.set_full_hp_grad`` need no change.
+This module is imported only once ``deepspeed.runtime.zero.stage_1_and_2`` is.
+"""
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+
+
+def update_offload_overflow_tracker(self, grad):
+    # Built via __new__ (tests, tools), an optimizer may lack the attribute: the constructor defaults it to True.
+    if grad is None or not getattr(self, "check_grad_overflow", True):
+        return
+    found = self._has_inf_or_nan(grad.data)
+    if not torch.is_tensor(found):
+        # An override that already answers on the host; keep the flag a tensor all the same.
+        found = torch.tensor(bool(found))
+    # Both result shapes (fp32 0/1 before 0.19.7, bool after) give a bool flag. It lives on the accelerator, so a
+    # result from another device (a CPU value given to safe_set_full_grad) can be ORed into it.
+    found = found.to(device=get_accelerator().current_device_name(), dtype=torch.bool)
+    flag = getattr(self, "local_overflow", False)
+    # Out of place, so the flag never aliases a tensor that _has_inf_or_nan returned.
+    self.local_overflow = flag | found if torch.is_tensor(flag) else found | bool(flag)
+
+def has_overflow(self, partition_gradients=True):
+    # The form of DeepSpeed 0.18.0 and later.
+    if self.cpu_offload:
+        flag = self.local_overflow
+        if torch.is_tensor(flag):
+            overflow_gpu = flag.to(device=get_accelerator().current_device_name(), dtype=torch.uint8).reshape(1)
+        else:
+            overflow_gpu = get_accelerator().ByteTensor([flag])
+    else:
+        overflow = self.has_overflow_partitioned_grads_serial()
+        overflow_gpu = overflow.byte().to(get_accelerator().current_device_name())
+
+    dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+
+    # Each model parallel rank holds part of the model: agree on the flag across them too.
+    self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
+
+    # The one host read of the flag per step.
+    overflow = overflow_gpu[0].item()
+    return bool(overflow)
+
+
+def has_overflow_dp_if_partitioned(self, partition_gradients=True):
+    # The form of DeepSpeed 0.17.1 to 0.17.6, which all-reduces over data parallel ranks only when gradients are
+    # partitioned. Kept as it was: the patch changes where the flag lives, nothing else.
+    if self.cpu_offload:
+        flag = self.local_overflow
+        if torch.is_tensor(flag):
+            overflow_gpu = flag.to(device=get_accelerator().current_device_name(), dtype=torch.uint8).reshape(1)
+        else:
+            overflow_gpu = get_accelerator().ByteTensor([flag])
+    else:
+        overflow = self.has_overflow_partitioned_grads_serial()
+        overflow_gpu = overflow.byte().to(get_accelerator().current_device_name())
+
+    if partition_gradients:
+        dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+
+    self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
+
+    overflow = overflow_gpu[0].item()
+    return bool(overflow)
+
+
+#: For each ``DeepSpeedZeroOptimizer`` method, its replacements with the releases whose form of the method each one
+#: replaces. The guard picks the one whose range holds every release that ships the original it found.
+REPLACEMENTS = {
+    "update_offload_overflow_tracker": ((">=0.17.1", update_offload_overflow_tracker), ),
+    "has_overflow": ((">=0.17.1,<0.18", has_overflow_dp_if_partitioned), (">=0.18.0", has_overflow)),
+}

@@ -1,0 +1,240 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Applies and reverts the patch: the registry of originals, the lazy hook, the state that ``status()`` reports."""
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Callable, Dict, Optional
+
+from deepspeed_offload_patch import import_hook, settings
+from deepspeed_offload_patch.log import info_once, warn_once
+
+TARGET_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
+TARGET_CLASS = "DeepSpeedZeroOptimizer"
+
+# States that status() reports.
+APPLIED = "applied"
+PENDING = "pending"
+UPSTREAM_FIXED = "upstream-fixed"
+UNSUPPORTED = "unsupported"
+CONFLICT = "conflict"
+DISABLED = "disabled"
+DEEPSPEED_MISSING = "deepspeed-missing"
+REVERTED = "reverted"
+NOT_APPLIED = "not-applied"
+
+#: States in which DeepSpeed's offload overflow check does not synchronize the host per gradient.
+GOOD_STATES = (APPLIED, UPSTREAM_FIXED)
+
+
+class PatchError(RuntimeError):
+    """The patch cannot apply and strict mode (``DS_OFFLOAD_PATCH_STRICT=1``) asks for an error."""
+
+
+@dataclass
+class PatchStatus:
+    """Where the patch stands in this process.
+
+    ``state`` is one of applied, pending (DeepSpeed's ZeRO module is not imported yet; the patch applies when it
+    is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing, reverted or not-applied (the package's
+    import did not install it, for example under ``python -m deepspeed_offload_patch``). ``methods`` maps each
+    replaced method to the guard's finding (see :mod:`deepspeed_offload_patch.guard`).
+    """
+
+    state: str
+    deepspeed_version: Optional[str]
+    reason: str
+    methods: Dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_lock = threading.RLock()
+_originals: Dict[str, Callable] = {}  # DeepSpeed's functions, by method name, while the patch is applied
+_installed: Dict[str, Callable] = {}  # the replacements this process installed, by method name
+_status = PatchStatus(NOT_APPLIED, None, "the patch has not been applied in this process")
+
+
+def deepspeed_version() -> Optional[str]:
+    """The version of the DeepSpeed that is (or would be) imported, without importing DeepSpeed itself.
+
+    While ``deepspeed/__init__.py`` runs, ``deepspeed.__version__`` is not set yet; its ``git_version_info`` module
+    is small and answers then. Without DeepSpeed loaded, the installed distribution's metadata answers. None when
+    DeepSpeed is not installed.
+    """
+    module = sys.modules.get("deepspeed")
+    if module is not None:
+        version = getattr(module, "__version__", None)
+        if version is None:
+            try:
+                version = importlib.import_module("deepspeed.git_version_info").version
+            except Exception:
+                version = None
+        if version is not None:
+            return str(version)
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def deepspeed_installed() -> bool:
+    try:
+        return importlib.util.find_spec("deepspeed") is not None
+    except (ImportError, ValueError):  # ValueError: a None or spec-less entry in sys.modules
+        return False
+
+
+def _set(state: str, reason: str, methods: Optional[Dict[str, str]] = None) -> "PatchStatus":
+    global _status
+    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}))
+    return _status
+
+
+def _report(status: PatchStatus, strict: bool) -> None:
+    if status.state == APPLIED:
+        info_once(f"applied to DeepSpeed {status.deepspeed_version}: {TARGET_CLASS}."
+                  f"{' and '.join(_originals)} keep the offload overflow flag on the device")
+    elif status.state == UPSTREAM_FIXED:
+        info_once(f"not needed: {status.reason}")
+    elif status.state in (UNSUPPORTED, CONFLICT):
+        message = f"not applied ({status.state}): {status.reason}; DeepSpeed is left unchanged"
+        if strict:
+            raise PatchError(message)
+        warn_once(message)
+
+
+def _patch_module(module: ModuleType, strict: bool) -> PatchStatus:
+    from deepspeed_offload_patch.guard import inspect_target
+
+    with _lock:
+        cls = getattr(module, TARGET_CLASS, None)
+        if cls is None:
+            status = _set(UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
+        else:
+            decision = inspect_target(cls, deepspeed_version() or "unknown")
+            for name, replacement in decision.replacements.items():
+                _originals[name] = cls.__dict__[name]
+                _installed[name] = replacement
+                setattr(cls, name, replacement)
+            if decision.replacements:
+                _warn_overriding_subclasses(cls)
+            status = _set(decision.state, decision.reason, decision.methods)
+    _report(status, strict)
+    return status
+
+
+def _forget() -> None:
+    _originals.clear()
+    _installed.clear()
+
+
+def _warn_overriding_subclasses(cls: type) -> None:
+    """Subclasses that define a patched method themselves do not get the fix: say which."""
+    pending, seen = list(cls.__subclasses__()), set()
+    while pending:
+        sub = pending.pop()
+        if sub in seen:
+            continue
+        seen.add(sub)
+        pending.extend(sub.__subclasses__())
+        for name in _originals:
+            if name in sub.__dict__:
+                warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {name}; its instances keep that override "
+                          f"and do not get the fix")
+
+
+def _on_target_import(module: ModuleType) -> None:
+    """The lazy hook: patch as DeepSpeed's ZeRO module is imported. Never breaks that import unless strict."""
+    strict = settings.strict()
+    try:
+        _patch_module(module, strict)
+    except PatchError:
+        raise
+    except Exception as exc:  # a bug here must not stop training
+        _forget()
+        status = _set(UNSUPPORTED, f"internal error while patching: {exc!r}")
+        _report(status, strict)
+
+
+def install() -> PatchStatus:
+    """What importing the package does: patch now if DeepSpeed's ZeRO module is loaded, else when it is imported.
+
+    Does not import DeepSpeed. Honours ``DS_OFFLOAD_PATCH_DISABLE``. Returns the resulting status.
+    """
+    with _lock:
+        if settings.disabled():
+            return _set(DISABLED, f"{settings.DISABLE} is set")
+        if not deepspeed_installed():
+            return _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+        if TARGET_MODULE not in sys.modules:
+            _set(PENDING, f"waiting for {TARGET_MODULE} to be imported")
+        import_hook.when_imported(TARGET_MODULE, _on_target_import)
+        return _status
+
+
+def apply() -> PatchStatus:
+    """Patch DeepSpeed now, importing its ZeRO module if needed. A second call changes nothing.
+
+    Returns the status: ``applied`` on success; ``upstream-fixed``, ``unsupported`` or ``conflict`` (with one
+    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``.
+
+    Raises:
+        ImportError: DeepSpeed is not installed (the message names the ``deepspeed`` package).
+        PatchError: the patch cannot apply and ``DS_OFFLOAD_PATCH_STRICT=1`` is set.
+    """
+    with _lock:
+        if settings.disabled():
+            return _set(DISABLED, f"{settings.DISABLE} is set")
+        if not deepspeed_installed():
+            _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+            raise ImportError("deepspeed_offload_patch.apply() needs the 'deepspeed' package: pip install deepspeed",
+                              name="deepspeed")
+        import_hook.cancel(TARGET_MODULE)
+        return _patch_module(importlib.import_module(TARGET_MODULE), settings.strict())
+
+
+def revert() -> PatchStatus:
+    """Put DeepSpeed's original methods back (the same function objects), where the attribute is still ours.
+
+    A method that someone replaced after the patch is left as it is, with a warning. A pending lazy patch is
+    cancelled. Live optimizers use the originals from their next call on.
+    """
+    with _lock:
+        import_hook.cancel(TARGET_MODULE)
+        module = sys.modules.get(TARGET_MODULE)
+        if not _originals or module is None:
+            return _set(REVERTED, "the pending patch was cancelled") if _status.state == PENDING else status()
+        cls = getattr(module, TARGET_CLASS)
+        for name, original in _originals.items():
+            if cls.__dict__.get(name) is _installed[name]:
+                setattr(cls, name, original)
+            else:
+                warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
+        _forget()
+        return _set(REVERTED, "revert() restored DeepSpeed's original methods")
+
+
+def is_applied() -> bool:
+    """True when both of DeepSpeed's methods are this package's replacements right now."""
+    module = sys.modules.get(TARGET_MODULE)
+    if module is None or not _installed:
+        return False
+    cls = getattr(module, TARGET_CLASS)
+    return all(cls.__dict__.get(name) is func for name, func in _installed.items())
+
+
+def status() -> PatchStatus:
+    """The current status. Reports ``conflict`` if someone replaced a patched method after the patch applied."""
+    with _lock:
+        if _status.state == APPLIED and not is_applied():
+            return PatchStatus(CONFLICT, _status.deepspeed_version,
+                               f"{TARGET_CLASS} methods were replaced by someone else after the patch applied",
+                               _status.methods)
+        return PatchStatus(**_status.as_dict())

@@ -1,0 +1,35 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The environment switches, read when they are needed (never cached, so tests and launchers can set them)."""
+
+import os
+
+#: ``1``: importing the package does nothing, and ``apply()`` does not patch (state ``disabled``).
+DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
+#: ``1``: raise :class:`~deepspeed_offload_patch.PatchError` instead of warning when the patch cannot apply.
+STRICT = "DS_OFFLOAD_PATCH_STRICT"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def flag(name: str) -> bool:
+    """Read a boolean switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset means off.
+
+    Any other value counts as off, with a warning that names the switch and the value (logged once).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value not in _FALSE:
+        from deepspeed_offload_patch.log import warn_once
+        warn_once(f"{name}={os.environ[name]!r} is neither 0 nor 1; treating it as 0")
+    return False
+
+
+def disabled() -> bool:
+    return flag(DISABLE)
+
+
+def strict() -> bool:
+    return flag(STRICT)
