@@ -1,0 +1,141 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Run a function on ``world_size`` spawned ranks with DeepSpeed's communication initialized (CPU: gloo).
+
+The ranks meet through a ``file://`` store, see the environment DeepSpeed's launcher would give them (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), and fail together: the first rank that raises stops
+all of them, and a rank that does not finish in time is named in the error.
+"""
+
+import multiprocessing
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["DistributedFailure", "run_distributed"]
+
+
+class DistributedFailure(AssertionError):
+    """A rank raised, died or hung. The message holds that rank's traceback or names the ranks that hung."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_rank_environment(rank: int, world_size: int, port: int) -> None:
+    """Set what a launcher sets for one rank. LOCAL_SIZE matters: the CPU accelerator counts devices by it."""
+    os.environ.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    })
+
+
+def init_deepspeed_comm(init_file: Optional[str] = None) -> None:
+    """Initialize ``deepspeed.comm`` from the environment, without JIT-building the shared-memory op (about a
+    minute on first use; gloo alone is enough here)."""
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    kwargs = {}
+    if init_file:
+        kwargs = {"init_method": f"file://{init_file}", "rank": int(os.environ["RANK"]),
+                  "world_size": int(os.environ["WORLD_SIZE"])}
+    deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name(),
+                               verbose=False,
+                               **kwargs)
+
+
+def _rank_main(rank, world_size, port, init_file, env, fn, args, kwargs, results) -> None:
+    try:
+        os.environ.update(env)
+        init_rank_environment(rank, world_size, port)
+        import torch
+        torch.set_num_threads(1)  # world_size ranks share the cores
+        init_deepspeed_comm(init_file)
+        results.put((rank, True, fn(*args, **kwargs)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import deepspeed.comm as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable[..., Any],
+                    world_size: int = 2,
+                    args: Sequence = (),
+                    kwargs: Optional[Dict[str, Any]] = None,
+                    env: Optional[Dict[str, str]] = None,
+                    timeout: float = 300.0) -> List[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return each rank's result, by rank.
+
+    ``fn``, its arguments and its results must pickle (``fn`` defined at module level, or a bound method of an
+    importable class). ``env`` is added to each rank's environment before anything is imported there.
+
+    Raises:
+        DistributedFailure: a rank raised (its traceback is in the message), died without a result, or did not
+            finish within ``timeout`` seconds (the ranks that hung are named). All ranks are stopped first.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="ds-offload-patch-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_rank_main,
+                        args=(rank, world_size, port, init_file, dict(env or {}), fn, tuple(args), dict(kwargs or {}),
+                                results),
+                        daemon=True) for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            return _collect(procs, results, timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+
+
+def _collect(procs, results, timeout: float) -> List[Any]:
+    world_size = len(procs)
+    done: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(done) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+            if dead:
+                # Give a result that was put just before exiting a moment to arrive.
+                time.sleep(1.0)
+                if results.empty():
+                    codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in dead)
+                    raise DistributedFailure(f"{codes} exited without a result")
+            if time.monotonic() > deadline:
+                hung = [r for r in range(world_size) if r not in done]
+                raise DistributedFailure(f"rank(s) {hung} did not finish within {timeout:.0f} s")
+            continue
+        if not ok:
+            raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+        done[rank] = payload
+    return [done[rank] for rank in range(world_size)]

@@ -1,0 +1,187 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Regression tests for the device-side offload overflow flag of ZeRO-1/2 (DeepSpeed pull request 8963).
+
+Each test runs on 2 ranks with the optimizer offloaded to the CPU, torch's Adam, the CPU accelerator and bf16.
+Tests marked ``fails_unpatched`` exist for the patch: with ``DS_OFFLOAD_PATCH_DISABLE=1`` they must fail, and
+``ci/check_red_green.py`` checks that they do (and that the others still pass).
+"""
+
+import pytest
+import torch
+
+import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
+from deepspeed import comm as dist
+from deepspeed.utils import safe_set_full_grad
+from deepspeed_offload_patch.testing import RaisingBoolTensor, count_host_syncs
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+from unit.common import DistributedTest
+
+NUM_TENSORS = 16
+
+
+def _poison_grad(param: torch.nn.Parameter, value: float):
+    """Put ``value`` into one element of ``param``'s next gradient on this rank; returns the hook handle."""
+
+    def hook(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return param.register_hook(hook)
+
+
+def _owns(optimizer, param) -> bool:
+    """Whether this rank's partition holds (part of) ``param``, i.e. whether its tracker sees the gradient."""
+    return optimizer.get_param_id(param) in optimizer.grad_position
+
+
+def _train_step(engine, step: int, poison=None, rank_to_poison=None, value=float("inf")) -> None:
+    """One optimizer step (all micro-steps); poison ``poison``'s gradient on one rank at the boundary micro-step."""
+    for micro in range(engine.gradient_accumulation_steps()):
+        handle = None
+        boundary = micro == engine.gradient_accumulation_steps() - 1
+        if poison is not None and boundary and dist.get_rank() == rank_to_poison:
+            handle = _poison_grad(poison, value)
+        engine.backward(engine(batch(engine, step * 10 + micro)))
+        if handle is not None:
+            handle.remove()
+        if boundary:
+            return
+        engine.step()
+
+
+def _assert_skipped_and_unchanged(engine, before, skipped: int) -> None:
+    assert engine.skipped_steps == skipped, f"rank {dist.get_rank()}: skipped {engine.skipped_steps}, not {skipped}"
+    after = params_snapshot(engine)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"rank {dist.get_rank()}: {name} changed in a skipped step"
+        assert not torch.isnan(after[name]).any(), name
+
+
+class TestOffloadOverflowFlag(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    def test_flag_never_truth_tested(self, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
+        optimizer = engine.optimizer
+        check = optimizer._has_inf_or_nan
+        # Every result of the check becomes a tensor whose truth value raises: an `if` on it fails the test.
+        optimizer._has_inf_or_nan = lambda x, j=None: RaisingBoolTensor.wrap(check(x, j))
+        target = engine.module.layers[3].weight
+
+        _train_step(engine, 0, poison=target, rank_to_poison=0, value=float("inf"))
+        flag = optimizer.local_overflow
+        assert isinstance(flag, RaisingBoolTensor) and flag.dtype == torch.bool, type(flag)
+        assert RaisingBoolTensor.plain(flag).item() == _owns(optimizer, target)
+        engine.step()
+        assert engine.skipped_steps == 1
+        assert optimizer.local_overflow is False, "the flag is reset after the step"
+
+        _train_step(engine, 1)
+        assert not RaisingBoolTensor.plain(optimizer.local_overflow).item()
+        engine.step()
+        assert engine.skipped_steps == 1 and optimizer.local_overflow is False
+
+    @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    def test_boundary_backward_has_no_host_sync(self, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
+        for step in range(2):
+            engine.backward(engine(batch(engine, 2 * step)))
+            engine.step()
+            loss = engine(batch(engine, 2 * step + 1))
+            assert engine.is_gradient_accumulation_boundary()
+            with count_host_syncs() as syncs:
+                engine.backward(loss)
+            assert syncs.total == 0, f"rank {dist.get_rank()}: {syncs.counts} at {syncs.events[:3]}"
+            engine.step()
+        assert engine.skipped_steps == 0
+
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    def test_nan_skips_step_on_every_rank(self, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
+        _train_step(engine, 0)
+        engine.step()
+        before = params_snapshot(engine)
+
+        # NaN in one parameter's gradient on rank 1 only: both ranks skip, nothing changes.
+        _train_step(engine, 1, poison=engine.module.layers[5].bias, rank_to_poison=1, value=float("nan"))
+        engine.step()
+        _assert_skipped_and_unchanged(engine, before, skipped=1)
+
+        # The flag was reset: the next step trains.
+        _train_step(engine, 2)
+        engine.step()
+        assert engine.skipped_steps == 1
+        assert any(not torch.equal(value, before[name]) for name, value in params_snapshot(engine).items())
+
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    def test_nan_through_safe_set_full_grad(self, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage))
+        _train_step(engine, 0)
+        engine.step()
+        before = params_snapshot(engine)
+
+        target = engine.module.layers[2].weight
+        _train_step(engine, 1)
+        # The rank that owns the first fragment of the parameter sets a full gradient with one NaN, as a CPU tensor.
+        owners = [0] * dist.get_world_size()
+        owners[dist.get_rank()] = int(target._hp_mapping is not None)
+        owners = torch.tensor(owners)
+        dist.all_reduce(owners)
+        first_owner = int(torch.nonzero(owners)[0])
+        if dist.get_rank() == first_owner:
+            value = torch.zeros(target.shape, dtype=torch.float32, device="cpu")
+            value[0, 0] = float("nan")
+            safe_set_full_grad(target, value)
+        engine.step()
+        _assert_skipped_and_unchanged(engine, before, skipped=1)
+
+    @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    def test_check_off_checks_nothing(self, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, check_grad_overflow=False, grad_accum=2))
+        optimizer = engine.optimizer
+        calls = []
+        check = optimizer._has_inf_or_nan
+
+        def counting_check(x, j=None):
+            calls.append(1)
+            return check(x, j)
+
+        optimizer._has_inf_or_nan = counting_check
+        before = params_snapshot(engine)
+        _train_step(engine, 0)
+        engine.step()
+        assert calls == [], f"rank {dist.get_rank()}: {len(calls)} gradients checked with the check off"
+        assert engine.skipped_steps == 0
+        assert any(not torch.equal(value, before[name]) for name, value in params_snapshot(engine).items())
+
+
+class TestOptimizerBuiltWithoutInit(DistributedTest):
+    """Tools and tests build the optimizer with ``__new__`` and set attributes by hand (DeepSpeed's own
+    ``test_zero2_gradient_safety.py`` does): the methods must work on such an object, which may lack
+    ``check_grad_overflow`` (the constructor's default, True, applies)."""
+    world_size = 1
+
+    @pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+    def test_new_optimizer(self, bad):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        optimizer = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)
+        optimizer.cpu_offload = True
+        optimizer.local_overflow = False
+        optimizer.dp_process_group = dist.get_world_group()
+        optimizer.model_parallel_group = None
+        optimizer.model_parallel_world_size = 1
+        optimizer.mpu = None
+        assert not hasattr(optimizer, "check_grad_overflow")
+        grads = [torch.ones(4), torch.ones(3, 2), None]
+        if bad is not None:
+            grads[1][1, 1] = bad
+        for grad in grads:
+            optimizer.update_offload_overflow_tracker(grad)
+        assert optimizer.has_overflow() is (bad is not None)
