@@ -4,8 +4,8 @@
 
 For each release it takes ``deepspeed/runtime/zero/stage_1_and_2.py`` out of the release's sdist (downloaded with
 ``pip download`` into ``--sdists`` unless already there), fingerprints the two methods the patch replaces with the
-same function the guard uses at run time, and writes the table. ``--check`` writes nothing and exits 1 when the
-recorded table differs from what the sources give.
+same function the guard uses at run time, and writes the table (formatted by yapf). ``--check`` writes nothing and
+exits 1 when the recorded table differs from what the sources give.
 
     python ci/gen_fingerprints.py --sdists ~/.cache/ds-sdists            # regenerate
     python ci/gen_fingerprints.py --sdists ~/.cache/ds-sdists --check    # verify
@@ -79,7 +79,9 @@ def table(sdists: str, versions) -> dict:
 
 
 def render(fingerprints: dict) -> str:
-    return HEADER + "UNFIXED = " + pprint.pformat(fingerprints, width=115, sort_dicts=False) + "\n"
+    from yapf.yapflib.yapf_api import FormatCode
+    text = HEADER + "UNFIXED = " + pprint.pformat(fingerprints, sort_dicts=False) + "\n"
+    return FormatCode(text, style_config=os.path.join(ROOT, ".style.yapf"))[0]
 
 
 def main() -> int:
@@ -88,17 +90,16 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare with the recorded table, write nothing")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
-    text = render(table(args.sdists, PATCHED_RELEASES))
+    fingerprints = table(args.sdists, PATCHED_RELEASES)
     if args.check:
-        with open(OUTPUT) as f:
-            recorded = f.read()
-        if recorded != text:
+        from deepspeed_offload_patch.fingerprints import UNFIXED
+        if UNFIXED != fingerprints:
             print(f"{OUTPUT} differs from the fingerprints of the releases' sources; run {__file__}")
             return 1
         print(f"fingerprints match the sources of {len(PATCHED_RELEASES)} releases")
         return 0
     with open(OUTPUT, "w") as f:
-        f.write(text)
+        f.write(render(fingerprints))
     print(f"wrote {OUTPUT}")
     return 0
 

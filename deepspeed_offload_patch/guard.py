@@ -148,8 +148,10 @@ def inspect_target(cls: type, version: str) -> Decision:
         return Decision(
             "unsupported", f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
-    return Decision("applied", f"DeepSpeed {version}: both methods match a known unfixed form", methods,
-                    {name: replacement for name, (_, replacement) in found.items()})
+    return Decision("applied", f"DeepSpeed {version}: both methods match a known unfixed form", methods, {
+        name: replacement
+        for name, (_, replacement) in found.items()
+    })
 
 
 def _owner(func: Callable) -> str:

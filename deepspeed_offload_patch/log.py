@@ -36,7 +36,7 @@ def log_once(level: int, message: str) -> None:
         return
     _seen.add(message)
     if _rank() == 0:
-        _logger().log(level, "[deepspeed_offload_patch] %s", message)
+        _logger().log(level, "[deepspeed_offload_patch] %s", message, stacklevel=3)
 
 
 def warn_once(message: str) -> None:

@@ -35,6 +35,7 @@ def update_offload_overflow_tracker(self, grad):
     # Out of place, so the flag never aliases a tensor that _has_inf_or_nan returned.
     self.local_overflow = flag | found if torch.is_tensor(flag) else found | bool(flag)
 
+
 def has_overflow(self, partition_gradients=True):
     # The form of DeepSpeed 0.18.0 and later.
     if self.cpu_offload:

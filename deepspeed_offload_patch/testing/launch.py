@@ -7,8 +7,10 @@ LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR, MASTER_PORT), and fail together
 all of them, and a rank that does not finish in time is named in the error.
 """
 
+import contextlib
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -50,21 +52,25 @@ def init_deepspeed_comm(init_file: Optional[str] = None) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     kwargs = {}
     if init_file:
-        kwargs = {"init_method": f"file://{init_file}", "rank": int(os.environ["RANK"]),
-                  "world_size": int(os.environ["WORLD_SIZE"])}
+        kwargs = {
+            "init_method": f"file://{init_file}",
+            "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])
+        }
     deepspeed.init_distributed(dist_backend=deepspeed.get_accelerator().communication_backend_name(),
                                verbose=False,
                                **kwargs)
 
 
-def _rank_main(rank, world_size, port, init_file, env, fn, args, kwargs, results) -> None:
+def _rank_main(rank, world_size, port, init_file, fn, args, kwargs, results) -> None:
     try:
-        os.environ.update(env)
         init_rank_environment(rank, world_size, port)
         import torch
         torch.set_num_threads(1)  # world_size ranks share the cores
         init_deepspeed_comm(init_file)
-        results.put((rank, True, fn(*args, **kwargs)))
+        # Plain pickle: tensors sent through torch's queue reductions would live in shared memory that goes away
+        # when this process exits.
+        results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -85,7 +91,8 @@ def run_distributed(fn: Callable[..., Any],
     """Call ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return each rank's result, by rank.
 
     ``fn``, its arguments and its results must pickle (``fn`` defined at module level, or a bound method of an
-    importable class). ``env`` is added to each rank's environment before anything is imported there.
+    importable class). ``env`` is added to each rank's environment before anything is imported there (the
+    parent's environment is set around the spawn, then restored).
 
     Raises:
         DistributedFailure: a rank raised (its traceback is in the message), died without a result, or did not
@@ -98,12 +105,14 @@ def run_distributed(fn: Callable[..., Any],
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(target=_rank_main,
-                        args=(rank, world_size, port, init_file, dict(env or {}), fn, tuple(args), dict(kwargs or {}),
-                                results),
+                        args=(rank, world_size, port, init_file, fn, tuple(args), dict(kwargs or {}), results),
                         daemon=True) for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        # A spawned child unpickles `fn` (importing its module) before any code of ours runs there, so `env` must
+        # already be in the environment it inherits.
+        with _environment(env or {}):
+            for proc in procs:
+                proc.start()
         try:
             return _collect(procs, results, timeout)
         finally:
@@ -114,6 +123,20 @@ def run_distributed(fn: Callable[..., Any],
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
+
+
+@contextlib.contextmanager
+def _environment(env: Dict[str, str]):
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _collect(procs, results, timeout: float) -> List[Any]:
@@ -137,5 +160,5 @@ def _collect(procs, results, timeout: float) -> List[Any]:
             continue
         if not ok:
             raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-        done[rank] = payload
+        done[rank] = pickle.loads(payload)
     return [done[rank] for rank in range(world_size)]

@@ -7,7 +7,11 @@ through :func:`run_distributed_test`. Ranks rendezvous through a ``file://`` sto
 and a rank that hangs is named.
 """
 
-from typing import Any, Dict
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any, Dict, Optional
 
 from deepspeed_offload_patch.testing.launch import run_distributed
 
@@ -23,3 +27,23 @@ def _call_method(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
 
 def run_distributed_test(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
     run_distributed(_call_method, cls.world_size, args=(cls, name, kwargs), timeout=cls.timeout)
+
+
+def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, free of this process's ``DS_OFFLOAD_PATCH_*`` switches (plus ``env``).
+
+    Import-order and lifecycle tests need a process where neither package has been imported yet.
+    """
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DS_OFFLOAD_PATCH_")}
+    child_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          env=child_env,
+                          capture_output=True,
+                          text=True,
+                          timeout=timeout)
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> str:
+    """Assert the child exited 0; return its output, stdout then stderr (DeepSpeed's logger writes to stdout)."""
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout + result.stderr

@@ -1,0 +1,208 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""How the patch is applied, reverted, refused and reported: each case in a fresh interpreter."""
+
+import textwrap
+
+import pytest
+
+from unit.common import assert_ok, run_python
+
+# Shared by the child programs: names for the class and the package's replacement functions.
+PRELUDE = """
+import sys
+def target():
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    return DeepSpeedZeroOptimizer
+def ours():
+    from deepspeed_offload_patch import overflow
+    return overflow.update_offload_overflow_tracker, overflow.has_overflow
+def is_ours(cls):
+    return (cls.__dict__["update_offload_overflow_tracker"], cls.__dict__["has_overflow"]) == ours()
+"""
+
+
+def run(*parts: str, **env) -> str:
+    """Run the prelude and ``parts`` (each dedented on its own) in a fresh interpreter; return its output."""
+    return assert_ok(run_python("\n".join(textwrap.dedent(part) for part in (PRELUDE, ) + parts), env=env))
+
+
+def warnings_in(output: str):
+    return [line for line in output.splitlines() if "[deepspeed_offload_patch]" in line]
+
+
+def test_import_before_deepspeed_waits_then_patches():
+    run("""
+        import deepspeed_offload_patch as dop
+        assert "deepspeed" not in sys.modules, "importing the package must not import DeepSpeed"
+        assert dop.status().state == "pending", dop.status()
+        assert not dop.is_applied()
+        import deepspeed
+        assert dop.is_applied() and dop.status().state == "applied", dop.status()
+        assert is_ours(target())
+        from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizerParallel
+        assert ZenFlowZeroOptimizerParallel.update_offload_overflow_tracker is ours()[0]
+    """)
+
+
+@pytest.mark.parametrize("first", [
+    "import deepspeed", "import deepspeed.runtime.zero.stage_1_and_2",
+    "from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer"
+])
+def test_import_after_deepspeed_patches_at_once(first):
+    run(f"""
+        {first}
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as bound_before
+        import deepspeed_offload_patch as dop
+        assert dop.status().state == "applied", dop.status()
+        assert is_ours(target()) and is_ours(bound_before)
+    """)
+
+
+def test_live_optimizer_gets_the_patch():
+    run("""
+        import torch
+        cls = target()
+        live = cls.__new__(cls)
+        live.local_overflow = False
+        import deepspeed_offload_patch
+        live.update_offload_overflow_tracker(torch.tensor([1.0, float("inf")]))
+        assert torch.is_tensor(live.local_overflow) and live.local_overflow.dtype == torch.bool
+        assert live.local_overflow.item() is True
+    """)
+
+
+def test_apply_twice_then_revert_restores_the_originals():
+    run("""
+        cls = target()
+        originals = dict(cls.__dict__)
+        import deepspeed_offload_patch as dop
+        first = dop.status()
+        assert first.state == "applied", first
+        assert dop.apply().state == "applied" and is_ours(cls)
+        assert dop.revert().state == "reverted"
+        for name in ("update_offload_overflow_tracker", "has_overflow"):
+            assert cls.__dict__[name] is originals[name], name
+        assert not dop.is_applied()
+        assert dop.revert().state == "reverted"
+        assert dop.apply().state == "applied" and is_ours(cls)
+    """)
+
+
+def test_revert_before_deepspeed_cancels_the_pending_patch():
+    run("""
+        import deepspeed_offload_patch as dop
+        assert dop.status().state == "pending"
+        assert dop.revert().state == "reverted"
+        import deepspeed
+        assert not is_ours(target()) and not dop.is_applied()
+    """)
+
+
+def test_revert_leaves_a_later_replacement_alone():
+    output = run("""
+        import deepspeed_offload_patch as dop
+        cls = target()
+        def theirs(self, grad):
+            pass
+        cls.update_offload_overflow_tracker = theirs
+        assert dop.status().state == "conflict", dop.status()
+        dop.revert()
+        assert cls.__dict__["update_offload_overflow_tracker"] is theirs
+        assert cls.__dict__["has_overflow"] is not ours()[1]
+    """)
+    assert any("revert" in line and "left as is" in line for line in warnings_in(output)), output
+
+
+def test_disabled_switch_makes_import_and_apply_no_ops():
+    run("""
+        import deepspeed_offload_patch as dop
+        import deepspeed
+        assert dop.status().state == "disabled", dop.status()
+        assert dop.apply().state == "disabled"
+        assert not is_ours(target()) and not dop.is_applied()
+    """,
+        DS_OFFLOAD_PATCH_DISABLE="1")
+
+
+def test_switch_with_odd_value_warns_and_counts_as_off():
+    output = run("""
+        import deepspeed_offload_patch as dop
+        import deepspeed
+        assert dop.status().state == "applied", dop.status()
+    """,
+                 DS_OFFLOAD_PATCH_DISABLE="maybe")
+    assert [line for line in warnings_in(output) if "DS_OFFLOAD_PATCH_DISABLE='maybe'" in line], output
+
+
+UNKNOWN_RELEASE = """
+    import deepspeed_offload_patch as dop
+    from deepspeed_offload_patch import patcher
+    patcher.deepspeed_version = lambda: "0.16.9"
+"""
+
+
+def test_unknown_release_warns_once_and_leaves_deepspeed_untouched():
+    output = run(
+        UNKNOWN_RELEASE, """
+        import deepspeed
+        status = dop.status()
+        assert status.state == "unsupported" and "0.16.9" in status.reason, status
+        assert not is_ours(target())
+        assert dop.apply().state == "unsupported"
+    """)
+    lines = warnings_in(output)
+    assert len(lines) == 1 and "0.16.9" in lines[0] and "WARNING" in lines[0], output
+
+
+def test_unknown_release_raises_in_strict_mode():
+    run(UNKNOWN_RELEASE,
+        """
+        try:
+            import deepspeed
+        except dop.PatchError as exc:
+            assert "0.16.9" in str(exc)
+        else:
+            raise AssertionError("strict mode did not raise")
+        assert "deepspeed.runtime.zero.stage_1_and_2" not in sys.modules or not is_ours(target())
+    """,
+        DS_OFFLOAD_PATCH_STRICT="1")
+
+
+def test_foreign_replacement_is_a_conflict_and_is_kept():
+    output = run("""
+        cls = target()
+        def other_patch(self, partition_gradients=True):
+            return False
+        cls.has_overflow = other_patch
+        import deepspeed_offload_patch as dop
+        status = dop.status()
+        assert status.state == "conflict" and "other_patch" in status.reason, status
+        assert cls.__dict__["has_overflow"] is other_patch
+        assert cls.__dict__["update_offload_overflow_tracker"] is not ours()[0]
+    """)
+    assert len(warnings_in(output)) == 1 and "conflict" in output, output
+
+
+def test_warnings_only_on_rank_zero():
+    output = run(UNKNOWN_RELEASE,
+                 """
+        import deepspeed
+        assert dop.status().state == "unsupported"
+    """,
+                 RANK="1")
+    assert warnings_in(output) == [], output
+
+
+def test_without_deepspeed():
+    run("""
+        sys.modules["deepspeed"] = None  # as if DeepSpeed were not installed
+        import deepspeed_offload_patch as dop
+        assert dop.status().state == "deepspeed-missing", dop.status()
+        try:
+            dop.apply()
+        except ImportError as exc:
+            assert "deepspeed" in str(exc) and exc.name == "deepspeed"
+        else:
+            raise AssertionError("apply() without DeepSpeed did not raise ImportError")
+    """)
