@@ -1,7 +1,24 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 
+import glob
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildWithPatches(build_py):
+    """Ship patches/ inside the package (as _patches/), so `ds-offload-patch diff` works from a wheel."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "deepspeed_offload_patch", "_patches")
+        os.makedirs(target, exist_ok=True)
+        for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches", "*")):
+            shutil.copy(path, target)
+
 
 setup(
     name="deepspeed_offload_patch",
@@ -9,9 +26,15 @@ setup(
     description="Keeps DeepSpeed's ZeRO-1/2 offload overflow flag on the device: no host sync per gradient",
     license="Apache-2.0",
     packages=find_packages(include=["deepspeed_offload_patch", "deepspeed_offload_patch.*"]),
+    package_data={"deepspeed_offload_patch": ["_bootstrap/sitecustomize.py"]},
     python_requires=">=3.9",
     # torch first, as its own install step (a bare deepspeed install pulls a CUDA build); see README.md.
     install_requires=["deepspeed", "torch", "packaging>=20.0"],
     extras_require={"dev": ["pytest", "yapf==0.43.0", "flake8", "codespell"]},
+    entry_points={
+        "console_scripts": ["ds-offload-patch=deepspeed_offload_patch.cli:main"],
+        "pytest11": ["ds_offload_patch=deepspeed_offload_patch.pytest_plugin"],
+    },
+    cmdclass={"build_py": BuildWithPatches},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
 )

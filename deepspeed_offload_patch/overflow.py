@@ -11,13 +11,9 @@ They replace, on the class in ``deepspeed/runtime/zero/stage_1_and_2.py``, the m
   Python ``False``) into the uint8 tensor it all-reduces; the host reads it once, after the all-reduce.
 
 Signatures are unchanged, so callers such as ``deepspeed.utils.tensor_fragment.set_full_hp_grad`` need no change.
-This module is imported only once ``deepspeed.runtime.zero.stage_1_and_2`` is.
 """
 
 import torch
-
-from deepspeed import comm as dist
-from deepspeed.accelerator import get_accelerator
 
 
 def update_offload_overflow_tracker(self, grad):
@@ -86,3 +82,8 @@ REPLACEMENTS = {
     "update_offload_overflow_tracker": ((">=0.17.1", update_offload_overflow_tracker), ),
     "has_overflow": ((">=0.17.1,<0.18", has_overflow_dp_if_partitioned), (">=0.18.0", has_overflow)),
 }
+
+# Imported last: importing DeepSpeed from here may run the patch hook, which needs REPLACEMENTS above. The functions
+# look these names up when they are called, as DeepSpeed's own methods do.
+from deepspeed import comm as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402

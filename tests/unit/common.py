@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from deepspeed_offload_patch.testing.launch import run_distributed
 
@@ -29,18 +29,27 @@ def run_distributed_test(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
     run_distributed(_call_method, cls.world_size, args=(cls, name, kwargs), timeout=cls.timeout)
 
 
+def clean_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """This process's environment without its ``DS_OFFLOAD_PATCH_*`` switches, plus ``env``."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DS_OFFLOAD_PATCH_")}
+    child_env.update(env or {})
+    return child_env
+
+
+def run_command(args: List[str],
+                env: Optional[Dict[str, str]] = None,
+                timeout: float = 300.0,
+                **kwargs) -> subprocess.CompletedProcess:
+    """Run ``args`` in the :func:`clean_env` environment, capturing text output."""
+    return subprocess.run(args, env=clean_env(env), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
 def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter, free of this process's ``DS_OFFLOAD_PATCH_*`` switches (plus ``env``).
+    """Run ``code`` in a fresh interpreter (see :func:`run_command`).
 
     Import-order and lifecycle tests need a process where neither package has been imported yet.
     """
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("DS_OFFLOAD_PATCH_")}
-    child_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
-                          env=child_env,
-                          capture_output=True,
-                          text=True,
-                          timeout=timeout)
+    return run_command([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=timeout)
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> str:

@@ -13,7 +13,7 @@ import torch
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed.utils import safe_set_full_grad
-from deepspeed_offload_patch.testing import RaisingBoolTensor, count_host_syncs
+from deepspeed_offload_patch.testing import RaisingBoolTensor
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
 from unit.common import DistributedTest
 
@@ -87,14 +87,14 @@ class TestOffloadOverflowFlag(DistributedTest):
 
     @pytest.mark.fails_unpatched
     @pytest.mark.parametrize("zero_stage", [1, 2])
-    def test_boundary_backward_has_no_host_sync(self, zero_stage):
+    def test_boundary_backward_has_no_host_sync(self, zero_stage, host_sync_counter):
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
         for step in range(2):
             engine.backward(engine(batch(engine, 2 * step)))
             engine.step()
             loss = engine(batch(engine, 2 * step + 1))
             assert engine.is_gradient_accumulation_boundary()
-            with count_host_syncs() as syncs:
+            with host_sync_counter() as syncs:
                 engine.backward(loss)
             assert syncs.total == 0, f"rank {dist.get_rank()}: {syncs.counts} at {syncs.events[:3]}"
             engine.step()

@@ -1,0 +1,140 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher.
+
+Exit codes of ``check`` (and of ``status`` and ``verify`` where they apply):
+
+====  =====================================================================================
+0     the installed DeepSpeed gets the fix: patched on import (``applied``) or ``upstream-fixed``
+1     affected and the patch cannot apply: unknown release or code (``unsupported``); ``verify``: a check failed
+2     usage error
+3     ``conflict``: another patch replaced one of the methods
+4     ``deepspeed-missing``
+5     ``disabled`` by ``DS_OFFLOAD_PATCH_DISABLE``
+====  =====================================================================================
+"""
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+EXIT = {
+    "applied": 0,
+    "upstream-fixed": 0,
+    "unsupported": 1,
+    "conflict": 3,
+    "deepspeed-missing": 4,
+    "disabled": 5,
+}
+
+ADVICE = {
+    "unsupported": "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
+    "(`ds-offload-patch status` shows what the guard found)",
+    "conflict": "find the other patch that replaces these methods and drop one of the two",
+    "deepspeed-missing": "install DeepSpeed in this environment (torch first)",
+    "disabled": "unset DS_OFFLOAD_PATCH_DISABLE",
+}
+
+
+def resolve_status():
+    """Import the package and, where DeepSpeed is installed, its ZeRO module, so the state is final (not pending).
+
+    Strict mode's error is reported as the status it carries, not raised. DeepSpeed's import logs to stdout; that
+    goes to stderr here, so that stdout holds only this command's output (``status --json`` parses).
+    """
+    import contextlib
+    import importlib
+
+    import deepspeed_offload_patch as dop
+    from deepspeed_offload_patch import patcher
+
+    if dop.status().state == patcher.PENDING:
+        with contextlib.redirect_stdout(sys.stderr):
+            try:
+                importlib.import_module(patcher.TARGET_MODULE)
+            except dop.PatchError:
+                pass
+    return dop.status()
+
+
+def _status_command(args) -> int:
+    import deepspeed_offload_patch as dop
+
+    status = resolve_status()
+    if args.json:
+        print(json.dumps({"package_version": dop.__version__, **status.as_dict()}, indent=2, sort_keys=True))
+    else:
+        print(f"deepspeed_offload_patch {dop.__version__}")
+        print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state}")
+        print(f"  {status.reason}")
+        for name, finding in status.methods.items():
+            print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+    return EXIT.get(status.state, 1)
+
+
+def _check_command(args) -> int:
+    status = resolve_status()
+    code = EXIT.get(status.state, 1)
+    version = status.deepspeed_version or "(not installed)"
+    if code == 0:
+        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}")
+    else:
+        print(f"ds-offload-patch check: FAIL ({status.state}): {status.reason}; "
+              f"{ADVICE.get(status.state, 'see ds-offload-patch status')}")
+    return code
+
+
+def _verify_command(args) -> int:
+    from deepspeed_offload_patch.verify import verify
+    return verify(steps=args.steps)
+
+
+def _diff_command(args) -> int:
+    from deepspeed_offload_patch.diffs import diff_for_installed
+    try:
+        name, text = diff_for_installed()
+    except LookupError as exc:
+        print(f"ds-offload-patch diff: {exc}", file=sys.stderr)
+        return 1
+    print(f"# {name}", file=sys.stderr)
+    sys.stdout.write(text)
+    return 0
+
+
+def _run_command(args) -> int:
+    from deepspeed_offload_patch.launcher import run
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("ds-offload-patch run: give a command after --", file=sys.stderr)
+        return 2
+    return run(command)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-offload-patch",
+                                     description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
+                                     "behavioural check, diff and launcher.",
+                                     epilog="Exit codes: 0 fix active (applied or upstream-fixed), 1 unsupported "
+                                     "(or verify failed), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    status = sub.add_parser("status", help="what the patch does with the installed DeepSpeed")
+    status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
+    status.set_defaults(func=_status_command)
+    sub.add_parser(
+        "check", help="CI gate: exit 0 only if the installed DeepSpeed gets the fix").set_defaults(func=_check_command)
+    verify = sub.add_parser("verify", help="train a tiny ZeRO-2 offload engine and prove there is no host sync")
+    verify.add_argument("--steps", type=int, default=3, help="optimizer steps under the host-sync guard")
+    verify.set_defaults(func=_verify_command)
+    sub.add_parser(
+        "diff",
+        help="print the unified diff of the same change for the installed release").set_defaults(func=_diff_command)
+    run = sub.add_parser("run", help="run a command with the patch applied in every Python process it starts")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    run.set_defaults(func=_run_command)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

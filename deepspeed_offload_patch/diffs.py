@@ -1,0 +1,43 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The unified diffs of ``patches/`` (shipped in the package as ``_patches/``), looked up by DeepSpeed release."""
+
+import json
+import os
+from typing import Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# Installed: copied into the package at build time. Source checkout: the repository's patches/.
+_CANDIDATES = (os.path.join(_HERE, "_patches"), os.path.join(os.path.dirname(_HERE), "patches"))
+
+
+def patches_dir() -> str:
+    for path in _CANDIDATES:
+        if os.path.isfile(os.path.join(path, "index.json")):
+            return path
+    raise LookupError("the diffs are not installed with this copy of deepspeed_offload_patch")
+
+
+def diff_for(version: str) -> Tuple[str, str]:
+    """``(file name, diff text)`` for DeepSpeed ``version`` (its release part). Raises LookupError if none."""
+    from deepspeed_offload_patch.guard import release_of
+
+    directory = patches_dir()
+    with open(os.path.join(directory, "index.json")) as f:
+        index = json.load(f)
+    release = release_of(version)
+    name = index.get(str(release)) if release is not None else None
+    if name is None:
+        raise LookupError(f"no diff for DeepSpeed {version}; diffs exist for {min(index)} to {max(index)}")
+    with open(os.path.join(directory, name)) as f:
+        return name, f.read()
+
+
+def diff_for_installed() -> Tuple[str, str]:
+    """The diff for the installed DeepSpeed. Raises LookupError when DeepSpeed is missing or has no diff."""
+    from deepspeed_offload_patch.patcher import deepspeed_version
+
+    version = deepspeed_version()
+    if version is None:
+        raise LookupError("DeepSpeed is not installed")
+    return diff_for(version)

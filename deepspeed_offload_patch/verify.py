@@ -1,0 +1,72 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch verify``: the behavioural proof, on this machine, that the fix is active and correct.
+
+A tiny ZeRO-2 engine with the optimizer offloaded to the CPU (world size 1, in a spawned process; the CPU
+accelerator, or the GPU DeepSpeed finds) trains a few steps with each boundary backward under
+:func:`~deepspeed_offload_patch.testing.no_host_sync`, then a NaN gradient must make it skip a step and leave the
+parameters unchanged. Returns 0 when both hold, 1 otherwise.
+"""
+
+from typing import Any, Dict
+
+import torch
+
+GRAD_ACCUM = 2
+
+
+def _verify_rank(steps: int) -> Dict[str, Any]:
+    import deepspeed_offload_patch as dop
+    from deepspeed_offload_patch.testing import HostSyncError, no_host_sync
+    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+
+    engine = make_engine(40, config=ds_config(stage=2, grad_accum=GRAD_ACCUM))
+    report: Dict[str, Any] = {"state": dop.status().state, "device": str(engine.device), "sync": None}
+    for step in range(steps):
+        for micro in range(GRAD_ACCUM):
+            loss = engine(batch(engine, step * GRAD_ACCUM + micro))
+            if engine.is_gradient_accumulation_boundary():
+                try:
+                    with no_host_sync():
+                        engine.backward(loss)
+                except HostSyncError as exc:
+                    report["sync"] = str(exc)
+                    return report
+            else:
+                engine.backward(loss)
+            engine.step()
+
+    before, skipped = params_snapshot(engine), engine.skipped_steps
+    poisoned = engine.module.layers[0].weight
+    handle = poisoned.register_hook(lambda g: torch.full_like(g, float("nan")))
+    for micro in range(GRAD_ACCUM):
+        engine.backward(engine(batch(engine, 1000 + micro)))
+        engine.step()
+    handle.remove()
+    after = params_snapshot(engine)
+    report["nan_skipped"] = engine.skipped_steps == skipped + 1
+    report["unchanged"] = all(torch.equal(after[name], value) for name, value in before.items())
+    return report
+
+
+def verify(steps: int = 3) -> int:
+    """Run the check and print one line per finding. Returns the process exit code (0 pass, 1 fail)."""
+    from deepspeed_offload_patch.testing.launch import DistributedFailure, run_distributed
+
+    try:
+        report = run_distributed(_verify_rank, world_size=1, args=(steps, ), timeout=300)[0]
+    except DistributedFailure as exc:
+        print(f"verify: FAIL: the check could not run:\n{exc}")
+        return 1
+    print(f"verify: ZeRO-2, optimizer offloaded to the CPU, bf16, on {report['device']}; patch state: "
+          f"{report['state']}")
+    if report["sync"] is not None:
+        print(f"verify: FAIL: the boundary backward synchronized with the host: {report['sync']}")
+        return 1
+    print(f"verify: ok: {steps} boundary backward passes without a host sync")
+    if not (report["nan_skipped"] and report["unchanged"]):
+        print(f"verify: FAIL: a NaN gradient did not skip the step (skipped: {report['nan_skipped']}, parameters "
+              f"unchanged: {report['unchanged']})")
+        return 1
+    print("verify: ok: a NaN gradient skips the step and leaves the parameters unchanged")
+    return 0

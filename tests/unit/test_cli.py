@@ -1,0 +1,162 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch``: the status, the CI gate (also against an altered and a diff-patched DeepSpeed), the
+behavioural check, the diff, the launcher, and the pytest fixtures used from another repository."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from unit.common import assert_ok, run_command
+
+CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
+TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
+
+
+def cli(*args, **kwargs) -> subprocess.CompletedProcess:
+    return run_command(CLI + list(args), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_dir():
+    import importlib.util
+    return os.path.dirname(importlib.util.find_spec("deepspeed").origin)
+
+
+def deepspeed_copy(tmp_path, deepspeed_dir, change) -> dict:
+    """A copy of the installed DeepSpeed in a site folder of its own, changed by ``change(path of the target
+    file)``; returns the environment that puts it first on the path."""
+    site = tmp_path / "site"
+    shutil.copytree(deepspeed_dir, site / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
+    change(site / TARGET)
+    return {"PYTHONPATH": os.pathsep.join([str(site)] + [p for p in sys.path if p])}
+
+
+def test_status_json_is_stable():
+    result = cli("status", "--json")
+    assert_ok(result)
+    status = json.loads(result.stdout)
+    assert set(status) == {"package_version", "deepspeed_version", "state", "reason", "methods"}
+    assert status["state"] == "applied", status
+    assert status["methods"] == {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
+
+
+def test_status_is_readable():
+    output = assert_ok(cli("status"))
+    assert "applied" in output and "DeepSpeedZeroOptimizer.has_overflow: patchable" in output, output
+
+
+def test_check_passes_on_the_installed_release():
+    script = os.path.join(os.path.dirname(sys.executable), "ds-offload-patch")
+    result = run_command([script, "check"])
+    assert result.returncode == 0 and "OK" in result.stdout, result
+
+
+@pytest.mark.parametrize("env, code, word", [({"DS_OFFLOAD_PATCH_DISABLE": "1"}, 5, "disabled")])
+def test_check_fails_when_disabled(env, code, word):
+    result = cli("check", env=env)
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode == code and len(lines) == 1 and word in lines[0], result
+
+
+def test_check_fails_on_an_altered_deepspeed(tmp_path, deepspeed_dir):
+
+    def alter(path):
+        text = path.read_text()
+        text = text.replace("            self.local_overflow = True\n",
+                            "            self.local_overflow = True\n            self.overflow_seen = True\n", 1)
+        path.write_text(text)
+
+    result = cli("check", env=deepspeed_copy(tmp_path, deepspeed_dir, alter))
+    assert result.returncode == 1, result
+    assert "unsupported" in result.stdout and "update_offload_overflow_tracker: mismatch" in result.stdout, result
+
+
+def test_diff_applies_to_the_installed_file_and_is_seen_as_fixed(tmp_path, deepspeed_dir):
+    result = cli("diff")
+    assert_ok(result)
+    assert result.stdout.startswith(f"--- a/{TARGET}"), result.stdout[:200]
+    diff = tmp_path / "change.diff"
+    diff.write_text(result.stdout)
+
+    def apply_diff(path):
+        subprocess.run(["patch", "-p1", "--quiet", "-i", str(diff)], cwd=tmp_path / "site", check=True)
+
+    env = deepspeed_copy(tmp_path, deepspeed_dir, apply_diff)
+    result = cli("check", env=env)
+    assert result.returncode == 0 and "upstream-fixed" in result.stdout, result
+
+
+def test_verify_passes_with_the_patch_and_fails_without():
+    assert_ok(cli("verify"))
+    result = cli("verify", env={"DS_OFFLOAD_PATCH_DISABLE": "1"})
+    assert result.returncode == 1 and "synchronized with the host" in result.stdout, result
+
+
+RANK_SCRIPT = """
+import sys
+import deepspeed
+import deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+deepspeed.init_distributed(dist_backend="gloo")
+patch = sys.modules.get("deepspeed_offload_patch")
+print(f"rank {deepspeed.comm.get_rank()}: {patch.status().state if patch else 'not loaded'}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", [["deepspeed", "--num_gpus", "2"], ["torchrun", "--nproc_per_node", "2"]])
+def test_run_patches_every_rank_of_an_unmodified_script(tmp_path, launcher):
+    (tmp_path / "script.py").write_text(RANK_SCRIPT)
+    user_site = tmp_path / "user_site"
+    user_site.mkdir()
+    (user_site / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
+    (tmp_path / "check_user.py").write_text("import os\nprint('user sitecustomize', os.environ.get("
+                                            "'USER_SITECUSTOMIZE'))\n")
+    bindir = os.path.dirname(sys.executable)
+    env = {"LOCAL_SIZE": "2", "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(user_site)}
+    result = cli("run", "--", *launcher, "script.py", env=env, cwd=tmp_path)
+    output = assert_ok(result)
+    assert "rank 0: applied" in output and "rank 1: applied" in output, output
+
+    result = cli("run", "--", sys.executable, "check_user.py", env=env, cwd=tmp_path)
+    assert "user sitecustomize ran" in assert_ok(result)
+
+
+def test_run_without_the_launcher_leaves_the_script_unpatched(tmp_path):
+    (tmp_path / "script.py").write_text(RANK_SCRIPT)
+    env = {"LOCAL_SIZE": "2", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    result = run_command(["torchrun", "--nproc_per_node", "2", "script.py"], env=env, cwd=tmp_path)
+    assert "rank 0: not loaded" in assert_ok(result)
+
+
+def test_pytest_fixtures_from_another_repository(tmp_path):
+    (tmp_path / "test_downstream.py").write_text(
+        textwrap.dedent("""
+        import torch
+
+        def test_device_flag_stays_on_device(no_host_sync):
+            flag = torch.zeros((), dtype=torch.bool)
+            with no_host_sync():
+                flag = flag | torch.isinf(torch.tensor([1.0, float("inf")])).any()
+
+        def test_if_on_a_tensor_is_caught(no_host_sync):
+            with no_host_sync():
+                if torch.tensor(1.0) > 0:
+                    pass
+
+        def test_counter(host_sync_counter):
+            with host_sync_counter() as syncs:
+                torch.tensor([1.0, 2.0]).sum().item()
+                torch.tensor([3]).tolist()
+            assert syncs.counts == {"aten._local_scalar_dense": 1, "Tensor.tolist": 1}, syncs.counts
+    """))
+    result = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_downstream.py"],
+                         cwd=tmp_path)
+    assert "1 failed, 2 passed" in result.stdout, result.stdout
+    assert "HostSyncError: host synchronization: aten._local_scalar_dense at" in result.stdout
+    assert "test_downstream.py:11 (if torch.tensor(1.0) > 0:)" in result.stdout, result.stdout
