@@ -142,23 +142,35 @@ def _environment(env: Dict[str, str]):
 def _collect(procs, results, timeout: float) -> List[Any]:
     world_size = len(procs)
     done: Dict[int, Any] = {}
+    failed: Dict[int, str] = {}
     deadline = time.monotonic() + timeout
-    while len(done) < world_size:
+    grace_end = deadline
+    while len(done) + len(failed) < world_size:
+        if failed and time.monotonic() > grace_end:
+            break
         try:
             rank, ok, payload = results.get(timeout=0.5)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
-            if dead:
+            dead = [r for r, p in enumerate(procs) if r not in done and r not in failed and p.exitcode is not None]
+            if dead and not failed:
                 # Give a result that was put just before exiting a moment to arrive.
                 time.sleep(1.0)
                 if results.empty():
                     codes = ", ".join(f"rank {r} (exit code {procs[r].exitcode})" for r in dead)
                     raise DistributedFailure(f"{codes} exited without a result")
             if time.monotonic() > deadline:
-                hung = [r for r in range(world_size) if r not in done]
+                hung = [r for r in range(world_size) if r not in done and r not in failed]
                 raise DistributedFailure(f"rank(s) {hung} did not finish within {timeout:.0f} s")
             continue
-        if not ok:
-            raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-        done[rank] = pickle.loads(payload)
+        if ok:
+            done[rank] = pickle.loads(payload)
+        else:
+            if not failed:
+                # The other ranks usually fail soon after, often only because this one stopped talking: wait a
+                # little to report every rank's error, the first one first.
+                grace_end = time.monotonic() + 3.0
+            failed[rank] = payload
+    if failed:
+        reports = "\n".join(f"rank {rank} of {world_size} failed:\n{text}" for rank, text in failed.items())
+        raise DistributedFailure(reports)
     return [done[rank] for rank in range(world_size)]

@@ -9,10 +9,13 @@ Tests marked ``fails_unpatched`` exist for the patch: with ``DS_OFFLOAD_PATCH_DI
 
 import pytest
 import torch
+from packaging.version import Version
 
+import deepspeed
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed.utils import safe_set_full_grad
+from deepspeed_offload_patch.guard import release_of
 from deepspeed_offload_patch.testing import RaisingBoolTensor
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
 from unit.common import DistributedTest
@@ -31,20 +34,40 @@ def _poison_grad(param: torch.nn.Parameter, value: float):
     return param.register_hook(hook)
 
 
-def _owns(optimizer, param) -> bool:
-    """Whether this rank's partition holds (part of) ``param``, i.e. whether its tracker sees the gradient."""
-    return optimizer.get_param_id(param) in optimizer.grad_position
+def _holds_first_element(optimizer, param) -> bool:
+    """Whether this rank's partition holds ``param``'s first element (where _poison_grad puts the bad value)."""
+    position = optimizer.grad_position.get(optimizer.get_param_id(param))
+    return position is not None and position[1] == 0
 
 
-def _train_step(engine, step: int, poison=None, rank_to_poison=None, value=float("inf")) -> None:
-    """One optimizer step (all micro-steps); poison ``poison``'s gradient on one rank at the boundary micro-step."""
+def _ranks_agree_on_overflow(zero_stage: int) -> bool:
+    """Whether DeepSpeed all-reduces the offload overflow flag over data-parallel ranks at this stage.
+
+    DeepSpeed 0.17.x does so only when gradients are partitioned (ZeRO-2). Under ZeRO-1, an overflow that only one
+    rank's partition sees makes the ranks disagree, and their collectives then abort, patched or not (fixed upstream
+    in 0.18.0; the patch keeps each release's behaviour). There, the tests put the bad value on every rank.
+    """
+    return zero_stage == 2 or release_of(deepspeed.__version__) >= Version("0.18.0")
+
+
+def _poison_plan(engine, zero_stage: int, param, rank: int):
+    """``(parameters, ranks)``: ``param`` on ``rank`` alone where the ranks agree on overflow; otherwise every
+    parameter on every rank, so that every rank's partition sees a bad value."""
+    if _ranks_agree_on_overflow(zero_stage):
+        return [param], [rank]
+    return list(engine.module.parameters()), list(range(dist.get_world_size()))
+
+
+def _train_step(engine, step: int, poison=(), ranks_to_poison=(), value=float("inf")) -> None:
+    """One optimizer step (all micro-steps) up to the boundary backward; at the boundary micro-step, the gradients
+    of the ``poison`` parameters get ``value`` on ``ranks_to_poison``."""
     for micro in range(engine.gradient_accumulation_steps()):
-        handle = None
+        handles = []
         boundary = micro == engine.gradient_accumulation_steps() - 1
-        if poison is not None and boundary and dist.get_rank() == rank_to_poison:
-            handle = _poison_grad(poison, value)
+        if boundary and dist.get_rank() in ranks_to_poison:
+            handles = [_poison_grad(param, value) for param in poison]
         engine.backward(engine(batch(engine, step * 10 + micro)))
-        if handle is not None:
+        for handle in handles:
             handle.remove()
         if boundary:
             return
@@ -70,12 +93,12 @@ class TestOffloadOverflowFlag(DistributedTest):
         check = optimizer._has_inf_or_nan
         # Every result of the check becomes a tensor whose truth value raises: an `if` on it fails the test.
         optimizer._has_inf_or_nan = lambda x, j=None: RaisingBoolTensor.wrap(check(x, j))
-        target = engine.module.layers[3].weight
+        params, ranks = _poison_plan(engine, zero_stage, engine.module.layers[3].weight, 0)
 
-        _train_step(engine, 0, poison=target, rank_to_poison=0, value=float("inf"))
+        _train_step(engine, 0, params, ranks, value=float("inf"))
         flag = optimizer.local_overflow
         assert isinstance(flag, RaisingBoolTensor) and flag.dtype == torch.bool, type(flag)
-        assert RaisingBoolTensor.plain(flag).item() == _owns(optimizer, target)
+        assert RaisingBoolTensor.plain(flag).item() == any(_holds_first_element(optimizer, p) for p in params)
         engine.step()
         assert engine.skipped_steps == 1
         assert optimizer.local_overflow is False, "the flag is reset after the step"
@@ -108,7 +131,8 @@ class TestOffloadOverflowFlag(DistributedTest):
         before = params_snapshot(engine)
 
         # NaN in one parameter's gradient on rank 1 only: both ranks skip, nothing changes.
-        _train_step(engine, 1, poison=engine.module.layers[5].bias, rank_to_poison=1, value=float("nan"))
+        params, ranks = _poison_plan(engine, zero_stage, engine.module.layers[5].bias, 1)
+        _train_step(engine, 1, params, ranks, value=float("nan"))
         engine.step()
         _assert_skipped_and_unchanged(engine, before, skipped=1)
 
@@ -120,22 +144,19 @@ class TestOffloadOverflowFlag(DistributedTest):
 
     @pytest.mark.parametrize("zero_stage", [1, 2])
     def test_nan_through_safe_set_full_grad(self, zero_stage):
+        # Also with a CPU value on an accelerator: the flag lives on the accelerator and takes the CPU result.
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage))
         _train_step(engine, 0)
         engine.step()
         before = params_snapshot(engine)
 
-        target = engine.module.layers[2].weight
         _train_step(engine, 1)
-        # The rank that owns the first fragment of the parameter sets a full gradient with one NaN, as a CPU tensor.
-        owners = [0] * dist.get_world_size()
-        owners[dist.get_rank()] = int(target._hp_mapping is not None)
-        owners = torch.tensor(owners)
-        dist.all_reduce(owners)
-        first_owner = int(torch.nonzero(owners)[0])
-        if dist.get_rank() == first_owner:
+        # One rank sets, as a CPU tensor, a full gradient with one NaN for a parameter whose partition it holds.
+        setter = 0 if _ranks_agree_on_overflow(zero_stage) else dist.get_rank()
+        if dist.get_rank() == setter:
+            target = next(p for p in engine.module.parameters() if p._hp_mapping is not None)
             value = torch.zeros(target.shape, dtype=torch.float32, device="cpu")
-            value[0, 0] = float("nan")
+            value.view(-1)[0] = float("nan")
             safe_set_full_grad(target, value)
         engine.step()
         _assert_skipped_and_unchanged(engine, before, skipped=1)
