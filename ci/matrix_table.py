@@ -1,0 +1,82 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table.
+
+    python ci/matrix_table.py             # print
+    python ci/matrix_table.py --readme    # also write it into README.md between the matrix markers
+    python ci/matrix_table.py --require RELEASE [RELEASE ...]   # exit 1 unless these have a passing result
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPORTS = os.path.join(ROOT, "reports", "matrix")
+START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+
+
+def load() -> list:
+    results = []
+    for path in glob.glob(os.path.join(REPORTS, "*.json")):
+        with open(path) as f:
+            results.append(json.load(f))
+    return sorted(results, key=lambda r: Version(r["release"]))
+
+
+def passed(result: dict) -> bool:
+    tests = result["tests"]
+    ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
+    if "diff_tests" in result:
+        ok = ok and result["diff_state"] == "upstream-fixed" and result["diff_tests"]["failed"] == 0
+    return bool(ok)
+
+
+def _tests(counts: dict) -> str:
+    total = counts["passed"] + counts["failed"] + counts["skipped"]
+    return f"{counts['passed']}/{total} passed"
+
+
+def render(results: list) -> str:
+    lines = [
+        "| DeepSpeed | state on import | test suite | state with the diff applied | ZeRO tests on the diff alone | result |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        diff_state = r.get("diff_state", "–")
+        diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
+        lines.append(f"| {r['release']} | {r['state']} | {_tests(r['tests'])} | {diff_state} | {diff_tests} | "
+                     f"{'pass' if passed(r) else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--require", nargs="*", default=[], help="releases that must have a passing result")
+    args = parser.parse_args()
+    results = load()
+    table = render(results)
+    print(table)
+    if args.readme:
+        path = os.path.join(ROOT, "README.md")
+        with open(path) as f:
+            text = f.read()
+        head, rest = text.split(START, 1)
+        tail = rest.split(END, 1)[1]
+        with open(path, "w") as f:
+            f.write(f"{head}{START}\n{table}{END}{tail}")
+    by_release = {r["release"]: r for r in results}
+    missing = [v for v in args.require if v not in by_release or not passed(by_release[v])]
+    failing = [r["release"] for r in results if not passed(r)]
+    for release in sorted(set(missing) | set(failing), key=Version):
+        print(f"FAIL: DeepSpeed {release}: no passing result")
+    return 1 if missing or failing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""On a DeepSpeed release before the supported range (the matrix runs this on 0.16.9): the import leaves DeepSpeed
+untouched, with one WARNING naming the supported range, ``status()`` says ``unsupported`` and the gate fails.
+
+Not in the default suite (``testpaths`` is ``tests/unit``): it needs such a release installed. ``ci/noxfile.py``
+runs it in the session of each unsupported release.
+"""
+
+import sys
+
+from deepspeed_offload_patch.releases import PATCHED_RELEASES
+from unit.common import run_command, run_python
+
+
+def test_old_release_is_left_untouched_with_one_warning():
+    result = run_python("""
+        import inspect
+        import deepspeed_offload_patch as dop
+        import deepspeed
+        from deepspeed.runtime.zero import stage_1_and_2
+        status = dop.status()
+        assert status.state == "unsupported", status
+        assert not dop.is_applied()
+        for name, func in vars(stage_1_and_2.DeepSpeedZeroOptimizer).items():
+            if inspect.isfunction(func):
+                assert inspect.getsourcefile(func) == stage_1_and_2.__file__, name
+        print("version", deepspeed.__version__)
+    """)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    warnings = [line for line in output.splitlines() if "[deepspeed_offload_patch]" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], output
+    assert f"{PATCHED_RELEASES[0]} to {PATCHED_RELEASES[-1]}" in warnings[0], warnings
+
+
+def test_gate_fails_on_old_release():
+    result = run_command([sys.executable, "-m", "deepspeed_offload_patch", "check"])
+    assert result.returncode == 1 and "unsupported" in result.stdout, result
