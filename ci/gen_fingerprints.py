@@ -15,6 +15,7 @@ import argparse
 import ast
 import os
 import pprint
+import runpy
 import subprocess
 import sys
 import tarfile
@@ -88,19 +89,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sdists", default=os.path.expanduser("~/.cache/ds-offload-patch/sdists"))
     parser.add_argument("--check", action="store_true", help="compare with the recorded table, write nothing")
+    parser.add_argument("--table",
+                        default=OUTPUT,
+                        help="the recorded table to check or write (default: the package's)")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
     fingerprints = table(args.sdists, PATCHED_RELEASES)
     if args.check:
-        from deepspeed_offload_patch.fingerprints import UNFIXED
-        if UNFIXED != fingerprints:
-            print(f"{OUTPUT} differs from the fingerprints of the releases' sources; run {__file__}")
+        recorded = runpy.run_path(args.table)["UNFIXED"]
+        if recorded != fingerprints:
+            print(f"{args.table} differs from the fingerprints of the releases' sources; run {__file__}")
             return 1
         print(f"fingerprints match the sources of {len(PATCHED_RELEASES)} releases")
         return 0
-    with open(OUTPUT, "w") as f:
+    with open(args.table, "w") as f:
         f.write(render(fingerprints))
-    print(f"wrote {OUTPUT}")
+    print(f"wrote {args.table}")
     return 0
 
 

@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 status=0
 mapfile -t py < <(git ls-files '*.py')
-mapfile -t sources < <(git ls-files '*.py' '*.sh' '.ci/run' 'ci/*')
+mapfile -t sources < <(git ls-files '*.py' '*.sh' '*.yml' '*.yaml' '.ci/run')
 
 echo "== yapf"
 if ! out=$(yapf --diff "${py[@]}") || [ -n "$out" ]; then echo "$out"; echo "yapf: run yapf -i on the files above"; status=1; fi

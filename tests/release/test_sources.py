@@ -1,0 +1,56 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The guard's fingerprints and ``patches/`` agree with the releases' own sources (sdists downloaded with pip into
+``$DS_OFFLOAD_PATCH_SDISTS``, default ``~/.cache/ds-offload-patch/sdists``), and the checks catch a disagreement.
+
+Not in the default suite: it downloads 25 sdists. ``nox -f ci/noxfile.py -s sources`` runs it.
+"""
+
+import os
+import shutil
+import sys
+
+import pytest
+
+from unit.common import run_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SDISTS = os.environ.get("DS_OFFLOAD_PATCH_SDISTS", os.path.expanduser("~/.cache/ds-offload-patch/sdists"))
+
+
+def script(name, *args):
+    result = run_command([sys.executable, os.path.join(ROOT, "ci", name), "--sdists", SDISTS, *args], cwd=ROOT)
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_recorded_fingerprints_are_the_sources():
+    code, output = script("gen_fingerprints.py", "--check")
+    assert code == 0, output
+
+
+def test_a_wrong_fingerprint_table_fails_the_check(tmp_path):
+    table = tmp_path / "fingerprints.py"
+    text = open(os.path.join(ROOT, "deepspeed_offload_patch", "fingerprints.py")).read()
+    table.write_text(text.replace("'0.19.8'", "'0.19.9'"))
+    code, output = script("gen_fingerprints.py", "--check", "--table", str(table))
+    assert code == 1 and "differs" in output, output
+
+
+def test_patches_apply_to_their_releases_and_equal_the_monkey_patch():
+    code, output = script("make_patches.py", "--check")
+    assert code == 0, output
+
+
+@pytest.mark.parametrize("tamper", ["context", "change"])
+def test_a_wrong_diff_fails_the_check(tmp_path, tamper):
+    patches = tmp_path / "patches"
+    shutil.copytree(os.path.join(ROOT, "patches"), patches)
+    diff = next(patches.glob("*0.19.7*.diff"))
+    text = diff.read_text()
+    if tamper == "context":
+        text = text.replace(" \n", "  \n", 1)  # a context line that is not in the release's file
+    else:
+        text = text.replace("+        if grad is None or", "+        if grad is None and", 1)
+    diff.write_text(text)
+    code, output = script("make_patches.py", "--check", "--patches", str(patches))
+    assert code == 1 and diff.name in output, output
