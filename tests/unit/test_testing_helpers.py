@@ -1,0 +1,62 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The host-sync guard and RaisingBoolTensor: what they catch, what they let through, and inside autograd hooks."""
+
+import pytest
+import torch
+
+from deepspeed_offload_patch.testing import HostSyncError, RaisingBoolTensor, count_host_syncs, no_host_sync
+
+
+@pytest.mark.parametrize("read, op", [
+    (lambda t: t.sum().item(), "aten._local_scalar_dense"),
+    (lambda t: bool(t.any()), "aten._local_scalar_dense"),
+    (lambda t: float(t[0]), "aten._local_scalar_dense"),
+    (lambda t: t.tolist(), "Tensor.tolist"),
+    (lambda t: t.numpy(), "Tensor.numpy"),
+    (lambda t: torch.equal(t, t), "aten.equal"),
+])
+def test_each_host_read_is_counted_and_refused(read, op):
+    t = torch.tensor([1.0, 2.0])
+    with count_host_syncs() as syncs:
+        read(t)
+    assert syncs.counts == {op: 1}, syncs.counts
+    with pytest.raises(HostSyncError, match=op):
+        with no_host_sync():
+            read(t)
+
+
+def test_device_side_work_is_not_a_sync():
+    flag = torch.zeros((), dtype=torch.bool)
+    with no_host_sync(), count_host_syncs() as syncs:
+        for grad in (torch.ones(3), torch.tensor([1.0, float("nan")])):
+            flag = flag | torch.isnan(grad).any()
+        torch.nonzero(torch.ones(3))  # data-dependent, but free on the CPU
+    assert syncs.total == 0 and flag.item()
+
+
+def test_syncs_inside_autograd_hooks_are_seen():
+    x = torch.ones(3, requires_grad=True)
+    x.register_hook(lambda grad: grad * (1.0 if grad.sum().item() > 0 else 0.0))
+    with count_host_syncs() as syncs:
+        (x * 2).sum().backward()
+    assert syncs.counts["aten._local_scalar_dense"] == 1
+    assert "test_testing_helpers.py" in syncs.events[0][1], syncs.events
+
+
+def test_error_names_the_python_line():
+    with pytest.raises(HostSyncError) as info:
+        with no_host_sync():
+            if torch.tensor(1.0) > 0:  # the line to name
+                pass
+    assert "test_testing_helpers.py" in str(info.value) and "the line to name" in str(info.value)
+
+
+def test_raising_bool_tensor():
+    flag = RaisingBoolTensor.wrap(torch.tensor(True))
+    for truth_test in (bool, lambda t: 1 if t else 0, lambda t: t and True, lambda t: not t):
+        with pytest.raises(HostSyncError):
+            truth_test(flag)
+    derived = flag | torch.tensor(False)
+    assert isinstance(derived, RaisingBoolTensor) and isinstance(flag.to(torch.uint8), RaisingBoolTensor)
+    assert flag.item() is True and type(RaisingBoolTensor.plain(flag)) is torch.Tensor
