@@ -1,7 +1,6 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 
-import glob
 import os
 import shutil
 
@@ -14,10 +13,10 @@ class BuildWithPatches(build_py):
 
     def run(self):
         super().run()
-        target = os.path.join(self.build_lib, "deepspeed_offload_patch", "_patches")
-        os.makedirs(target, exist_ok=True)
-        for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches", "*")):
-            shutil.copy(path, target)
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
+        shutil.copytree(source,
+                        os.path.join(self.build_lib, "deepspeed_offload_patch", "_patches"),
+                        dirs_exist_ok=True)
 
 
 setup(

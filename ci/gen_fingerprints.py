@@ -23,7 +23,7 @@ import tarfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from deepspeed_offload_patch.guard import METHODS, fingerprint_source  # noqa: E402
+from deepspeed_offload_patch.guard import ALL_METHODS, fingerprint_source  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 
 TARGET = "deepspeed/runtime/zero/stage_1_and_2.py"
@@ -57,23 +57,23 @@ def read_target(sdist: str, version: str) -> str:
         return tar.extractfile(member).read().decode()
 
 
-def method_sources(source: str, class_name: str = "DeepSpeedZeroOptimizer") -> dict:
-    """The source text of each of METHODS in ``class_name``, as ``inspect.getsource`` would give it."""
+def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZeroOptimizer") -> dict:
+    """The source text of each method of ``names`` in ``class_name``, as ``inspect.getsource`` would give it."""
     lines = source.splitlines(keepends=True)
     cls = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
     found = {}
     for node in cls.body:
-        if isinstance(node, ast.FunctionDef) and node.name in METHODS:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
             found[node.name] = "".join(lines[first - 1:node.end_lineno])
     return found
 
 
 def table(sdists: str, versions) -> dict:
-    result = {name: {} for name in METHODS}
+    result = {name: {} for name in ALL_METHODS}
     for version in versions:
         sources = method_sources(read_target(sdist_path(sdists, version), version))
-        for name in METHODS:
+        for name in ALL_METHODS:
             digest = fingerprint_source(sources[name])
             result[name].setdefault(digest, []).append(version)
     return {name: {digest: tuple(vs) for digest, vs in digests.items()} for name, digests in result.items()}

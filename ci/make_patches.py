@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write ``patches/``: the change as unified diffs of ``deepspeed/runtime/zero/stage_1_and_2.py``, one per form.
 
-For each supported release it replaces the two methods in the release's own file (from its sdist) with this
-package's replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
+For each patch set (the fix in ``patches/``, the opt-in grad norm in ``patches/grad-norm-on-device/``) and each
+supported release, it replaces the set's methods in the release's own file (from its sdist) with this package's
+replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
 applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
 (release -> diff) and ``README.md``. ``--check`` writes nothing and exits 1 when ``patches/`` differs from what the
 sources give, when a diff does not apply to one of its releases, or when a patched file's methods are not equal
@@ -34,10 +35,10 @@ from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 PATCHES = os.path.join(ROOT, "patches")
 
 
-def replacements_for(source: str) -> dict:
-    """The replacement function for each method of ``source``'s ``DeepSpeedZeroOptimizer``, by its form."""
+def replacements_for(source: str, patch_set) -> dict:
+    """The replacement for each of ``patch_set``'s methods in ``source``'s ``DeepSpeedZeroOptimizer``, by form."""
     chosen = {}
-    for name, text in method_sources(source).items():
+    for name, text in method_sources(source, patch_set.methods).items():
         func = guard.replacement_for(name, guard.fingerprint_source(text))
         if func is None:
             raise SystemExit(f"{name}: a form with no replacement; regenerate the fingerprints first")
@@ -52,11 +53,11 @@ def method_text(name: str, func) -> str:
     return textwrap.indent("".join(lines), "    ")
 
 
-def patched(source: str) -> str:
-    """``source`` (a release's ``stage_1_and_2.py``) with both methods replaced."""
+def patched(source: str, patch_set) -> str:
+    """``source`` (a release's ``stage_1_and_2.py``) with ``patch_set``'s methods replaced."""
     lines = source.splitlines(keepends=True)
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
-    chosen = replacements_for(source)
+    chosen = replacements_for(source, patch_set)
     spans = [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name) for n in cls.body
              if isinstance(n, ast.FunctionDef) and n.name in chosen]
     for first, last, name in sorted(spans, reverse=True):
@@ -88,31 +89,22 @@ def git_apply(diff: str, source: str):
             return f.read()
 
 
-def methods_equal_replacements(patched_source: str) -> bool:
-    """The patched file's two methods equal (AST, names aside) the package's replacements for that form."""
-    chosen = {name: guard.fingerprint(func) for name, func in replacements_for_patched(patched_source).items()}
-    found = {name: guard.fingerprint_source(text) for name, text in method_sources(patched_source).items()}
+def methods_equal_replacements(original: str, patched_source: str, patch_set) -> bool:
+    """The patched file's methods equal (AST, names aside) the package's replacements for the original's form."""
+    chosen = {name: guard.fingerprint(func) for name, func in replacements_for(original, patch_set).items()}
+    found = {
+        name: guard.fingerprint_source(text)
+        for name, text in method_sources(patched_source, patch_set.methods).items()
+    }
     return found == chosen
 
 
-def replacements_for_patched(patched_source: str) -> dict:
-    """The replacements the patched methods should equal: matched by fingerprint among all replacements."""
-    result = {}
-    for name, text in method_sources(patched_source).items():
-        digest = guard.fingerprint_source(text)
-        for _, func in guard._replacements(name):
-            if guard.fingerprint(func) == digest:
-                result[name] = func
-        result.setdefault(name, None)
-    return result
-
-
-def build(sdists: str):
-    """The diffs (file name -> text) and the index (release -> file name)."""
+def build(sdists: str, patch_set):
+    """The diffs (file name -> text) and the index (release -> file name) of ``patch_set``."""
     diffs, index, current = {}, {}, None
     for version in PATCHED_RELEASES:
         source = read_target(sdist_path(sdists, version), version)
-        after = patched(source)
+        after = patched(source, patch_set)
         if current is not None and git_apply(diffs[current], source) == after:
             index[version] = current
             continue
@@ -126,30 +118,46 @@ def build(sdists: str):
     return {names[f]: text for f, text in diffs.items()}, {v: names[f] for v, f in index.items()}
 
 
-def readme(index: dict) -> str:
-    groups = {}
-    for version, name in index.items():
-        groups.setdefault(name, []).append(version)
-    rows = "\n".join(f"| [`{name}`]({name}) | {versions[0]} – {versions[-1]} ({len(versions)} releases) |"
-                     for name, versions in groups.items())
+def folder(root: str, patch_set) -> str:
+    return root if patch_set is guard.OVERFLOW_FLAG else os.path.join(root, patch_set.name)
+
+
+def readme(indexes: dict) -> str:
+    sections = []
+    for patch_set, index in indexes.items():
+        groups = {}
+        for version, name in index.items():
+            groups.setdefault(name, []).append(version)
+        prefix = "" if patch_set is guard.OVERFLOW_FLAG else f"{patch_set.name}/"
+        rows = "\n".join(f"| [`{prefix}{name}`]({prefix}{name}) | "
+                         f"{versions[0]} – {versions[-1]} ({len(versions)} releases) |"
+                         for name, versions in groups.items())
+        sections.append(f"| diff | DeepSpeed releases |\n| --- | --- |\n{rows}")
     return f"""# The change as unified diffs
 
 For a DeepSpeed fork or checkout: the same change the package makes at import time, as a diff of
 `{TARGET}`. Generated by `ci/make_patches.py` from each release's own file; CI checks that each diff applies
 cleanly to every release listed for it and that the patched methods equal the package's replacements (AST).
 
-| diff | DeepSpeed releases |
-| --- | --- |
-{rows}
+The fix (`update_offload_overflow_tracker` and `has_overflow`, what the package applies by default):
 
-Apply it at the top of a DeepSpeed checkout of a listed release:
+{sections[0]}
+
+The opt-in on-device gradient norm (`complete_grad_norm_calculation_for_cpu_offload`; what
+`apply(grad_norm_on_device=True)` or `DS_OFFLOAD_PATCH_GRAD_NORM=1` adds), in `grad-norm-on-device/`. It touches
+another method than the fix, so it applies with or without the fix's diff:
+
+{sections[1]}
+
+Apply a diff at the top of a DeepSpeed checkout of a listed release:
 
 ```bash
-git apply /path/to/patches/stage_1_and_2-0.18.0-0.19.8.diff     # or: patch -p1 < /path/to/....diff
+git apply /path/to/patches/stage_1_and_2-0.19.7-0.19.8.diff     # or: patch -p1 < /path/to/....diff
 ```
 
-`ds-offload-patch diff` prints the diff for the installed release. With the diff applied, the package reports
-`upstream-fixed` and patches nothing. `index.json` maps each release to its diff.
+`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the opt-in's). With a diff
+applied, the package reports that part as `upstream-fixed` and patches nothing there. `index.json` in each folder
+maps each release to its diff.
 """
 
 
@@ -160,35 +168,42 @@ def main() -> int:
     parser.add_argument("--patches", default=PATCHES, help="the folder to check or write (default: patches/)")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
-    diffs, index = build(args.sdists)
-    files = dict(diffs)
-    files["index.json"] = json.dumps(index, indent=2) + "\n"
-    files["README.md"] = readme(index)
+    problems, files, indexes, count = [], {}, {}, 0
+    for patch_set in guard.PATCH_SETS:
+        diffs, index = build(args.sdists, patch_set)
+        indexes[patch_set] = index
+        count += len(diffs)
+        where = folder(args.patches, patch_set)
+        files.update({os.path.join(where, name): text for name, text in diffs.items()})
+        files[os.path.join(where, "index.json")] = json.dumps(index, indent=2) + "\n"
+        for version, name in index.items():
+            original = read_target(sdist_path(args.sdists, version), version)
+            after = git_apply(diffs[name], original)
+            if after is None:
+                problems.append(f"{name} does not apply to {version}")
+            elif not methods_equal_replacements(original, after, patch_set):
+                problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
+    files[os.path.join(args.patches, "README.md")] = readme(indexes)
 
-    problems = []
-    for version, name in index.items():
-        after = git_apply(diffs[name], read_target(sdist_path(args.sdists, version), version))
-        if after is None:
-            problems.append(f"{name} does not apply to {version}")
-        elif not methods_equal_replacements(after):
-            problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
     if args.check:
-        for name, text in files.items():
-            path = os.path.join(args.patches, name)
+        for path, text in files.items():
             if not os.path.exists(path) or open(path).read() != text:
                 problems.append(f"{path} is out of date: run ci/make_patches.py")
-        extra = set(os.listdir(args.patches)) - set(files) if os.path.isdir(args.patches) else set()
-        problems.extend(f"{name} in {args.patches} is not generated by ci/make_patches.py" for name in sorted(extra))
+        for where in {os.path.dirname(path) for path in files}:
+            for name in sorted(os.listdir(where)) if os.path.isdir(where) else ():
+                path = os.path.join(where, name)
+                if os.path.isfile(path) and path not in files:
+                    problems.append(f"{path} is not generated by ci/make_patches.py")
     else:
-        os.makedirs(args.patches, exist_ok=True)
-        for name, text in files.items():
-            with open(os.path.join(args.patches, name), "w") as f:
+        for path, text in files.items():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
                 f.write(text)
     for problem in problems:
         print(f"FAIL: {problem}")
     if not problems:
-        print(f"patches/: {len(diffs)} diffs for {len(index)} releases; each applies to its releases and equals "
-              f"the package's replacements")
+        print(f"patches/: {count} diffs for {len(PATCHED_RELEASES)} releases; each applies to its releases and "
+              f"equals the package's replacements")
     return 1 if problems else 0
 
 

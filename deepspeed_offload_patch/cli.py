@@ -70,6 +70,8 @@ def _status_command(args) -> int:
         print(f"  {status.reason}")
         for name, finding in status.methods.items():
             print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+        print(f"opt-in on-device grad norm: {status.grad_norm_on_device}"
+              f"{': ' + status.grad_norm_reason if status.grad_norm_reason else ''}")
     return EXIT.get(status.state, 1)
 
 
@@ -93,7 +95,7 @@ def _verify_command(args) -> int:
 def _diff_command(args) -> int:
     from deepspeed_offload_patch.diffs import diff_for_installed
     try:
-        name, text = diff_for_installed()
+        name, text = diff_for_installed(grad_norm=args.grad_norm)
     except LookupError as exc:
         print(f"ds-offload-patch diff: {exc}", file=sys.stderr)
         return 1

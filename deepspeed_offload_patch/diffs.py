@@ -18,11 +18,12 @@ def patches_dir() -> str:
     raise LookupError("the diffs are not installed with this copy of deepspeed_offload_patch")
 
 
-def diff_for(version: str) -> Tuple[str, str]:
-    """``(file name, diff text)`` for DeepSpeed ``version`` (its release part). Raises LookupError if none."""
-    from deepspeed_offload_patch.guard import release_of
+def diff_for(version: str, grad_norm: bool = False) -> Tuple[str, str]:
+    """``(file name, diff text)`` of the fix (or, with ``grad_norm``, of the opt-in on-device gradient norm) for
+    DeepSpeed ``version`` (its release part). Raises LookupError if there is none."""
+    from deepspeed_offload_patch.guard import GRAD_NORM, release_of
 
-    directory = patches_dir()
+    directory = os.path.join(patches_dir(), GRAD_NORM.name) if grad_norm else patches_dir()
     with open(os.path.join(directory, "index.json")) as f:
         index = json.load(f)
     release = release_of(version)
@@ -33,11 +34,11 @@ def diff_for(version: str) -> Tuple[str, str]:
         return name, f.read()
 
 
-def diff_for_installed() -> Tuple[str, str]:
-    """The diff for the installed DeepSpeed. Raises LookupError when DeepSpeed is missing or has no diff."""
+def diff_for_installed(grad_norm: bool = False) -> Tuple[str, str]:
+    """:func:`diff_for` the installed DeepSpeed. Raises LookupError when DeepSpeed is missing or has no diff."""
     from deepspeed_offload_patch.patcher import deepspeed_version
 
     version = deepspeed_version()
     if version is None:
         raise LookupError("DeepSpeed is not installed")
-    return diff_for(version)
+    return diff_for(version, grad_norm)

@@ -8,6 +8,7 @@ a :class:`Decision` (the state to report, and which replacement goes with each m
 
 import ast
 import hashlib
+import importlib
 import inspect
 import sys
 import textwrap
@@ -24,8 +25,28 @@ from deepspeed_offload_patch.releases import PATCHED_RELEASES
 #: of a release (``0.19.8+abc``) counts as that release.
 SUPPORTED = SpecifierSet(f">={PATCHED_RELEASES[0]},<={PATCHED_RELEASES[-1]}")
 
-#: The methods the patch replaces, all defined on ``DeepSpeedZeroOptimizer``.
-METHODS = ("update_offload_overflow_tracker", "has_overflow")
+
+@dataclass(frozen=True)
+class PatchSet:
+    """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, and the module of their replacements."""
+
+    name: str
+    module: str
+    methods: Tuple[str, ...]
+
+
+#: The fix itself (DeepSpeed pull request 8963), applied by default.
+OVERFLOW_FLAG = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
+                         ("update_offload_overflow_tracker", "has_overflow"))
+#: Opt-in: the offload gradient norm summed on the device.
+GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
+                     ("complete_grad_norm_calculation_for_cpu_offload", ))
+PATCH_SETS = (OVERFLOW_FLAG, GRAD_NORM)
+
+#: The methods the default patch replaces.
+METHODS = OVERFLOW_FLAG.methods
+#: Every method some patch set replaces (the fingerprint table covers them all).
+ALL_METHODS = tuple(name for patch_set in PATCH_SETS for name in patch_set.methods)
 
 # Per-method findings, reported by status().
 PATCHABLE = "patchable"  # DeepSpeed's own unfixed code, in a form with a known fingerprint
@@ -56,8 +77,11 @@ def fingerprint(func: Callable) -> Optional[str]:
 
 
 def _replacements(name: str):
-    from deepspeed_offload_patch.overflow import REPLACEMENTS
-    return REPLACEMENTS.get(name, ())
+    """``((release range, function), ...)``: the replacements of method ``name``."""
+    for patch_set in PATCH_SETS:
+        if name in patch_set.methods:
+            return importlib.import_module(patch_set.module).REPLACEMENTS[name]
+    return ()
 
 
 def replacement_for(name: str, digest: Optional[str]) -> Optional[Callable]:
@@ -121,19 +145,20 @@ class Decision:
     replacements: Dict[str, Callable] = field(default_factory=dict)
 
 
-def inspect_target(cls: type, version: str) -> Decision:
-    """Decide what to do with ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed ``version``.
+def inspect_target(cls: type, version: str, patch_set: PatchSet = OVERFLOW_FLAG) -> Decision:
+    """Decide what to do with ``patch_set``'s methods of ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed
+    ``version``.
 
     Order matters: a class already fixed upstream is ``upstream-fixed`` whatever its version; a method that someone
     else replaced makes a ``conflict`` (never clobbered); then the version range and the fingerprints must agree.
     """
-    found = {name: classify_method(cls, name) for name in METHODS}
+    found = {name: classify_method(cls, name) for name in patch_set.methods}
     methods = {name: result for name, (result, _) in found.items()}
     results = set(methods.values())
     if results == {OURS}:
         return Decision("applied", f"DeepSpeed {version}: already applied", methods)
     if results == {FIXED}:
-        return Decision("upstream-fixed", f"DeepSpeed {version} already keeps the offload overflow flag on the device",
+        return Decision("upstream-fixed", f"DeepSpeed {version} already has the fixed form of {patch_set.name}",
                         methods)
     foreign = [name for name, result in methods.items() if result == FOREIGN]
     if foreign:
@@ -148,7 +173,7 @@ def inspect_target(cls: type, version: str) -> Decision:
         return Decision(
             "unsupported", f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
-    return Decision("applied", f"DeepSpeed {version}: both methods match a known unfixed form", methods, {
+    return Decision("applied", f"DeepSpeed {version}: the methods match a known unfixed form", methods, {
         name: replacement
         for name, (_, replacement) in found.items()
     })

@@ -40,16 +40,19 @@ class PatchError(RuntimeError):
 class PatchStatus:
     """Where the patch stands in this process.
 
-    ``state`` is one of applied, pending (DeepSpeed's ZeRO module is not imported yet; the patch applies when it
-    is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing, reverted or not-applied (the package's
-    import did not install it, for example under ``python -m deepspeed_offload_patch``). ``methods`` maps each
-    replaced method to the guard's finding (see :mod:`deepspeed_offload_patch.guard`).
+    ``state`` is the fix's: one of applied, pending (DeepSpeed's ZeRO module is not imported yet; the patch applies
+    when it is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing, reverted or not-applied (before
+    the package's import has run). ``methods`` maps each examined method to the guard's finding (see
+    :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the opt-in's state: off (not asked for),
+    applied, upstream-fixed, unsupported, conflict or reverted, with ``grad_norm_reason``.
     """
 
     state: str
     deepspeed_version: Optional[str]
     reason: str
     methods: Dict[str, str] = field(default_factory=dict)
+    grad_norm_on_device: str = "off"
+    grad_norm_reason: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -91,51 +94,80 @@ def deepspeed_installed() -> bool:
         return False
 
 
-def _set(state: str, reason: str, methods: Optional[Dict[str, str]] = None) -> "PatchStatus":
+def _set(state: str, reason: str, methods: Optional[Dict[str, str]] = None, grad_norm=None) -> "PatchStatus":
+    """Record the status; ``grad_norm`` is the opt-in's ``(state, reason)``, kept as it was when None."""
     global _status
-    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}))
+    if grad_norm is None:
+        grad_norm = (_status.grad_norm_on_device, _status.grad_norm_reason)
+    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}), *grad_norm)
     return _status
 
 
-def _report(status: PatchStatus, strict: bool) -> None:
-    if status.state == APPLIED:
-        info_once(f"applied to DeepSpeed {status.deepspeed_version}: {TARGET_CLASS}."
-                  f"{' and '.join(_originals)} keep the offload overflow flag on the device")
-    elif status.state == UPSTREAM_FIXED:
-        info_once(f"not needed: {status.reason}")
-    elif status.state in (UNSUPPORTED, CONFLICT):
-        message = f"not applied ({status.state}): {status.reason}; DeepSpeed is left unchanged"
+def _report(what: str, state: str, reason: str, strict: bool) -> None:
+    if state == APPLIED:
+        info_once(f"{what}: applied: {reason}")
+    elif state == UPSTREAM_FIXED:
+        info_once(f"{what}: not needed: {reason}")
+    elif state in (UNSUPPORTED, CONFLICT):
+        message = f"{what} not applied ({state}): {reason}; DeepSpeed is left unchanged"
         if strict:
             raise PatchError(message)
         warn_once(message)
 
 
-def _patch_module(module: ModuleType, strict: bool) -> PatchStatus:
+def _apply_set(cls: type, patch_set):
+    """Let the guard decide on ``patch_set``'s methods of ``cls`` and install its replacements if it says so."""
     from deepspeed_offload_patch.guard import inspect_target
+
+    decision = inspect_target(cls, deepspeed_version() or "unknown", patch_set)
+    for name, replacement in decision.replacements.items():
+        _originals[name] = cls.__dict__[name]
+        _installed[name] = replacement
+        setattr(cls, name, replacement)
+    if decision.replacements:
+        _warn_overriding_subclasses(cls, decision.replacements)
+    return decision
+
+
+def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchStatus:
+    """Apply the fix, and the on-device grad norm if ``grad_norm``, to the loaded ZeRO module."""
+    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG
 
     with _lock:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is None:
-            status = _set(UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
+            missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
+            status = _set(*missing, grad_norm=missing if grad_norm else None)
         else:
-            decision = inspect_target(cls, deepspeed_version() or "unknown")
-            for name, replacement in decision.replacements.items():
-                _originals[name] = cls.__dict__[name]
-                _installed[name] = replacement
-                setattr(cls, name, replacement)
-            if decision.replacements:
-                _warn_overriding_subclasses(cls)
-            status = _set(decision.state, decision.reason, decision.methods)
-    _report(status, strict)
+            fix = _apply_set(cls, OVERFLOW_FLAG)
+            methods = dict(fix.methods)
+            norm = None
+            if grad_norm:
+                opt_in = _apply_set(cls, GRAD_NORM)
+                methods.update(opt_in.methods)
+                norm = (opt_in.state, opt_in.reason)
+            status = _set(fix.state, fix.reason, methods, grad_norm=norm)
+    _report("the offload overflow flag fix", status.state, status.reason, strict)
+    if grad_norm:
+        _report("the on-device grad norm (opt-in)", status.grad_norm_on_device, status.grad_norm_reason, strict)
     return status
 
 
-def _forget() -> None:
+def _restore(module: ModuleType) -> None:
+    """Put back every original whose attribute is still ours, and forget them all."""
+    if not _originals:
+        return
+    cls = getattr(module, TARGET_CLASS)
+    for name, original in _originals.items():
+        if cls.__dict__.get(name) is _installed[name]:
+            setattr(cls, name, original)
+        else:
+            warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
     _originals.clear()
     _installed.clear()
 
 
-def _warn_overriding_subclasses(cls: type) -> None:
+def _warn_overriding_subclasses(cls: type, replaced: Dict[str, Callable]) -> None:
     """Subclasses that define a patched method themselves do not get the fix: say which."""
     pending, seen = list(cls.__subclasses__()), set()
     while pending:
@@ -144,7 +176,7 @@ def _warn_overriding_subclasses(cls: type) -> None:
             continue
         seen.add(sub)
         pending.extend(sub.__subclasses__())
-        for name in _originals:
+        for name in replaced:
             if name in sub.__dict__:
                 warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {name}; its instances keep that override "
                           f"and do not get the fix")
@@ -154,13 +186,13 @@ def _on_target_import(module: ModuleType) -> None:
     """The lazy hook: patch as DeepSpeed's ZeRO module is imported. Never breaks that import unless strict."""
     strict = settings.strict()
     try:
-        _patch_module(module, strict)
+        _patch_module(module, strict, settings.grad_norm())
     except PatchError:
         raise
     except Exception as exc:  # a bug here must not stop training
-        _forget()
+        _restore(module)
         status = _set(UNSUPPORTED, f"internal error while patching: {exc!r}")
-        _report(status, strict)
+        _report("the patch", status.state, status.reason, strict)
 
 
 def install() -> PatchStatus:
@@ -179,11 +211,15 @@ def install() -> PatchStatus:
         return _status
 
 
-def apply() -> PatchStatus:
+def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
     """Patch DeepSpeed now, importing its ZeRO module if needed. A second call changes nothing.
 
+    ``grad_norm_on_device=True`` (default: ``DS_OFFLOAD_PATCH_GRAD_NORM``) also applies the opt-in on-device gradient
+    norm; ``False`` does not undo an opt-in already applied (``revert()`` does).
+
     Returns the status: ``applied`` on success; ``upstream-fixed``, ``unsupported`` or ``conflict`` (with one
-    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``.
+    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``. The opt-in's own
+    state is in ``grad_norm_on_device``.
 
     Raises:
         ImportError: DeepSpeed is not installed (the message names the ``deepspeed`` package).
@@ -197,7 +233,8 @@ def apply() -> PatchStatus:
             raise ImportError("deepspeed_offload_patch.apply() needs the 'deepspeed' package: pip install deepspeed",
                               name="deepspeed")
         import_hook.cancel(TARGET_MODULE)
-        return _patch_module(importlib.import_module(TARGET_MODULE), settings.strict())
+        grad_norm = settings.grad_norm() if grad_norm_on_device is None else grad_norm_on_device
+        return _patch_module(importlib.import_module(TARGET_MODULE), settings.strict(), grad_norm)
 
 
 def revert() -> PatchStatus:
@@ -211,23 +248,22 @@ def revert() -> PatchStatus:
         module = sys.modules.get(TARGET_MODULE)
         if not _originals or module is None:
             return _set(REVERTED, "the pending patch was cancelled") if _status.state == PENDING else status()
-        cls = getattr(module, TARGET_CLASS)
-        for name, original in _originals.items():
-            if cls.__dict__.get(name) is _installed[name]:
-                setattr(cls, name, original)
-            else:
-                warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
-        _forget()
-        return _set(REVERTED, "revert() restored DeepSpeed's original methods")
+        had_grad_norm = _status.grad_norm_on_device == APPLIED
+        _restore(module)
+        return _set(REVERTED,
+                    "revert() restored DeepSpeed's original methods",
+                    grad_norm=(REVERTED, "revert() restored DeepSpeed's original method") if had_grad_norm else None)
 
 
 def is_applied() -> bool:
-    """True when both of DeepSpeed's methods are this package's replacements right now."""
+    """True when both methods of the fix are this package's replacements right now (the opt-in aside)."""
+    from deepspeed_offload_patch.guard import METHODS
+
     module = sys.modules.get(TARGET_MODULE)
-    if module is None or not _installed:
+    if module is None or not all(name in _installed for name in METHODS):
         return False
     cls = getattr(module, TARGET_CLASS)
-    return all(cls.__dict__.get(name) is func for name, func in _installed.items())
+    return all(cls.__dict__.get(name) is _installed[name] for name in METHODS)
 
 
 def status() -> PatchStatus:
@@ -236,5 +272,5 @@ def status() -> PatchStatus:
         if _status.state == APPLIED and not is_applied():
             return PatchStatus(CONFLICT, _status.deepspeed_version,
                                f"{TARGET_CLASS} methods were replaced by someone else after the patch applied",
-                               _status.methods)
+                               _status.methods, _status.grad_norm_on_device, _status.grad_norm_reason)
         return PatchStatus(**_status.as_dict())

@@ -8,6 +8,8 @@ import os
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
 #: ``1``: raise :class:`~deepspeed_offload_patch.PatchError` instead of warning when the patch cannot apply.
 STRICT = "DS_OFFLOAD_PATCH_STRICT"
+#: ``1``: also apply the opt-in on-device gradient norm for ``step()`` (off by default).
+GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -33,3 +35,7 @@ def disabled() -> bool:
 
 def strict() -> bool:
     return flag(STRICT)
+
+
+def grad_norm() -> bool:
+    return flag(GRAD_NORM)

@@ -41,7 +41,9 @@ def test_status_json_is_stable():
     result = cli("status", "--json")
     assert_ok(result)
     status = json.loads(result.stdout)
-    assert set(status) == {"package_version", "deepspeed_version", "state", "reason", "methods"}
+    assert set(status) == {
+        "package_version", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device", "grad_norm_reason"
+    }
     assert status["state"] == "applied", status
     assert status["methods"] == {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
 

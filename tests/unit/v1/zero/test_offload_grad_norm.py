@@ -1,0 +1,114 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The opt-in on-device gradient norm (``apply(grad_norm_on_device=True)`` / ``DS_OFFLOAD_PATCH_GRAD_NORM=1``).
+
+It must give the same bits as DeepSpeed's Python loop (so clipping and parameters are identical) and take the
+host reads in ``step()`` off the number of parameter tensors.
+"""
+
+import pytest
+import torch
+
+import deepspeed_offload_patch
+from deepspeed import comm as dist
+from deepspeed_offload_patch import grad_norm
+from deepspeed_offload_patch.testing import count_host_syncs
+from deepspeed_offload_patch.testing.launch import run_distributed
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+from unit.common import DistributedTest
+
+
+def _deepspeed_original():
+    """DeepSpeed's own method, whether or not the opt-in is applied in this process."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed_offload_patch import patcher
+    name = "complete_grad_norm_calculation_for_cpu_offload"
+    return patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
+
+
+class TestGradNormBits(DistributedTest):
+    """Norms over a wide range of magnitudes, where a float32 sum or another order would round differently."""
+    world_size = 1
+
+    @staticmethod
+    def _optimizer(norms):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in norms]
+        optimizer = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)
+        optimizer.param_id = {id(p): i for i, p in enumerate(params)}
+        optimizer.model_parallel_rank = 0
+        optimizer.model_parallel_group = None
+        optimizer.dp_process_group = dist.get_world_group()
+        optimizer.ignore_unused_parameters = True
+        optimizer.device = torch.device("cpu")
+        # Parameters without a norm took no part in the step.
+        optimizer.norm_for_param_grads = {i: n for i, n in enumerate(norms) if n is not None}
+        return optimizer, params
+
+    def _check(self, norms):
+        optimizer, params = self._optimizer(norms)
+        expected = _deepspeed_original()(optimizer, params)
+        got = grad_norm.complete_grad_norm_calculation_for_cpu_offload(optimizer, params)
+        assert got.dtype == expected.dtype and torch.equal(got, expected), (got.item(), expected.item())
+        return expected
+
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_same_bits_as_the_python_loop(self, seed):
+        generator = torch.Generator().manual_seed(seed)
+        magnitudes = 10.0**torch.randint(-6, 7, (300, ), generator=generator)
+        self._check(
+            [None if i % 7 == 0 else (torch.rand((), generator=generator) * m) for i, m in enumerate(magnitudes)])
+
+    def test_a_float32_sum_would_differ(self):
+        # 1 followed by squares of half a float32 ulp of 1: a float32 running sum never moves, a float64 one does.
+        norms = [torch.tensor(1.0)] + [torch.tensor(2.0**-12.5)] * 1000
+        expected = self._check(norms)
+        float32_sum = torch.tensor(0.0)
+        for norm in norms:
+            float32_sum += norm**2
+        assert not torch.equal(float32_sum.sqrt(), expected), (float32_sum.sqrt().item(), expected.item())
+
+
+def _train(num_tensors: int, steps: int):
+    """Rank job: ZeRO-2 offload with gradient clipping; per step the global norm and step()'s host syncs."""
+    engine = make_engine(num_tensors, config=dict(ds_config(stage=2), gradient_clipping=0.05))
+    norms, syncs = [], []
+    for step in range(steps):
+        engine.backward(engine(batch(engine, step)))
+        with count_host_syncs() as counter:
+            engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+        syncs.append(counter.total)
+    return {
+        "state": deepspeed_offload_patch.status().grad_norm_on_device,
+        "norms": norms,
+        "syncs": syncs,
+        "params": params_snapshot(engine)
+    }
+
+
+UNPATCHED = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_GRAD_NORM": "0"}
+OPT_IN = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
+
+
+def test_training_with_clipping_is_bit_identical_to_unpatched():
+    runs = {
+        name: run_distributed(_train, 2, args=(24, 4), env=env)
+        for name, env in (("unpatched", UNPATCHED), ("opt-in", OPT_IN))
+    }
+    assert [r["state"] for r in runs["opt-in"]] == ["applied", "applied"]
+    for before, after in zip(runs["unpatched"], runs["opt-in"]):
+        assert after["norms"] == before["norms"] and min(before["norms"]) > 0.05, "clipping must be active"
+        for name, value in before["params"].items():
+            assert torch.equal(after["params"][name], value), name
+
+
+class TestStepSyncs(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.fails_unpatched
+    def test_step_syncs_do_not_grow_with_the_tensors(self):
+        deepspeed_offload_patch.apply(grad_norm_on_device=True)
+        counts = {n: _train(n, 2)["syncs"][-1] for n in (16, 64)}
+        assert counts[16] == counts[64], f"step() host syncs by parameter tensors: {counts}"
