@@ -29,7 +29,10 @@ setup(
     python_requires=">=3.9",
     # torch first, as its own install step (a bare deepspeed install pulls a CUDA build); see README.md.
     install_requires=["deepspeed", "torch", "packaging>=20.0"],
-    extras_require={"dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox"]},
+    extras_require={
+        "bench": ["matplotlib"],
+        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib"],
+    },
     entry_points={
         "console_scripts": ["ds-offload-patch=deepspeed_offload_patch.cli:main"],
         "pytest11": ["ds_offload_patch=deepspeed_offload_patch.pytest_plugin"],

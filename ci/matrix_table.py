@@ -43,14 +43,15 @@ def _tests(counts: dict) -> str:
 
 def render(results: list) -> str:
     lines = [
-        "| DeepSpeed | state on import | test suite | state with the diff applied | ZeRO tests on the diff alone | result |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| DeepSpeed | state on import | tests | state with the diff applied | ZeRO tests on the diff alone | result "
+        "| commit |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         diff_state = r.get("diff_state", "–")
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
         lines.append(f"| {r['release']} | {r['state']} | {_tests(r['tests'])} | {diff_state} | {diff_tests} | "
-                     f"{'pass' if passed(r) else 'FAIL'} |")
+                     f"{'pass' if passed(r) else 'FAIL'} | {r.get('commit', '?')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,8 @@
     python ci/matrix_table.py [--readme]          # the table of the last results (reports/matrix/)
 
 For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``), runs the test
-suite, then applies the release's diff from ``patches/`` to the installed DeepSpeed and, with the monkey-patch
+suite (all of ``tests/unit``; with the session argument ``core``, as ``matrix`` passes it, the ZeRO, guard and
+lifecycle tests plus ``ds-offload-patch check`` and ``verify``), then applies the release's diff from ``patches/`` to the installed DeepSpeed and, with the monkey-patch
 disabled, checks that ``status`` is ``upstream-fixed`` and the ZeRO regression tests pass on the diff alone (the
 file is restored after). For an unsupported release it runs ``tests/release``. Each session writes
 ``reports/matrix/<release>.json``.
@@ -107,8 +108,16 @@ def release(session: nox.Session, deepspeed: str) -> None:
         result["tests"] = _pytest(session, deepspeed, "tests/release/test_unsupported_release.py", env=clean)
     else:
         result["expected"] = "applied"
-        result["tests"] = _pytest(session, deepspeed, "tests/unit", env=clean)
+        if "core" in session.posargs:
+            suite = ["tests/unit/v1/zero", "tests/unit/test_guard.py", "tests/unit/test_patch_lifecycle.py"]
+            session.run("python", "-m", "deepspeed_offload_patch", "check", env=clean)
+            session.run("python", "-m", "deepspeed_offload_patch", "verify", env=clean)
+        else:
+            suite = ["tests/unit"]
+        result["suite"] = " ".join(suite)
+        result["tests"] = _pytest(session, deepspeed, *suite, env=clean)
         result.update(_with_diff(session, deepspeed))
+    result["commit"] = _commit()
     with open(os.path.join(REPORTS, f"{deepspeed}.json"), "w") as f:
         json.dump(result, f, indent=2)
     session.log(json.dumps(result))
@@ -137,6 +146,16 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
         shutil.move(backup, path)
 
 
+def _commit() -> str:
+    import subprocess
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=ROOT,
+                           capture_output=True,
+                           text=True).stdout
+    return head.strip() + ("+changes" if dirty.strip() else "")
+
+
 def _ok(result: dict) -> bool:
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["passed"] > 0
@@ -149,7 +168,7 @@ def _ok(result: dict) -> bool:
 def matrix(session: nox.Session) -> None:
     """Every supported release and the unsupported one, then the table."""
     for version in list(PATCHED_RELEASES) + list(UNSUPPORTED):
-        session.notify(f"release(deepspeed='{version}')")
+        session.notify(f"release(deepspeed='{version}')", posargs=["core"])
     session.notify("table")
 
 

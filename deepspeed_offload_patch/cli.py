@@ -128,9 +128,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     verify = sub.add_parser("verify", help="train a tiny ZeRO-2 offload engine and prove there is no host sync")
     verify.add_argument("--steps", type=int, default=3, help="optimizer steps under the host-sync guard")
     verify.set_defaults(func=_verify_command)
-    sub.add_parser(
-        "diff",
-        help="print the unified diff of the same change for the installed release").set_defaults(func=_diff_command)
+    diff = sub.add_parser("diff", help="print the unified diff of the same change for the installed release")
+    diff.add_argument("--grad-norm", action="store_true", help="the opt-in on-device gradient norm's diff instead")
+    diff.set_defaults(func=_diff_command)
     run = sub.add_parser("run", help="run a command with the patch applied in every Python process it starts")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run_command)

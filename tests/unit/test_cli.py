@@ -162,3 +162,20 @@ def test_pytest_fixtures_from_another_repository(tmp_path):
     assert "1 failed, 2 passed" in result.stdout, result.stdout
     assert "HostSyncError: host synchronization: aten._local_scalar_dense at" in result.stdout
     assert "test_downstream.py:11 (if torch.tensor(1.0) > 0:)" in result.stdout, result.stdout
+
+
+def test_grad_norm_diff_is_seen_as_fixed(tmp_path, deepspeed_dir):
+    result = cli("diff", "--grad-norm")
+    assert_ok(result)
+    diff = tmp_path / "grad-norm.diff"
+    diff.write_text(result.stdout)
+
+    def apply_diff(path):
+        subprocess.run(["patch", "-p1", "--quiet", "-i", str(diff)], cwd=tmp_path / "site", check=True)
+
+    env = deepspeed_copy(tmp_path, deepspeed_dir, apply_diff)
+    env["DS_OFFLOAD_PATCH_GRAD_NORM"] = "1"
+    result = cli("status", "--json", env=env)
+    assert_ok(result)
+    status = json.loads(result.stdout)
+    assert status["state"] == "applied" and status["grad_norm_on_device"] == "upstream-fixed", status
