@@ -37,14 +37,32 @@ from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine
 
 MODES = {
-    "bf16-check": {"dtype": "bf16", "check_grad_overflow": True},
-    "bf16-nocheck": {"dtype": "bf16", "check_grad_overflow": False},
-    "fp32": {"dtype": "fp32", "check_grad_overflow": False},
+    "bf16-check": {
+        "dtype": "bf16",
+        "check_grad_overflow": True
+    },
+    "bf16-nocheck": {
+        "dtype": "bf16",
+        "check_grad_overflow": False
+    },
+    "fp32": {
+        "dtype": "fp32",
+        "check_grad_overflow": False
+    },
 }
 VARIANTS = {
-    "unpatched": {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_GRAD_NORM": "0"},
-    "patched": {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "0"},
-    "patched+grad-norm": {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"},
+    "unpatched": {
+        "DS_OFFLOAD_PATCH_DISABLE": "1",
+        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+    },
+    "patched": {
+        "DS_OFFLOAD_PATCH_DISABLE": "0",
+        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+    },
+    "patched+grad-norm": {
+        "DS_OFFLOAD_PATCH_DISABLE": "0",
+        "DS_OFFLOAD_PATCH_GRAD_NORM": "1"
+    },
 }
 GRAD_ACCUM = 2
 
@@ -175,9 +193,10 @@ def _ratio(a: float, b: float) -> str:
 
 def render_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
     un, pa, gn = results["unpatched"], results["patched"], results["patched+grad-norm"]
-    header = ("| stage | mode | N | backward syncs (unpatched / patched) | step syncs (unpatched / patched / +grad norm) "
-              "| backward ms (unpatched / patched, ratio) | step ms (unpatched / patched / +grad norm) "
-              "| tracker ms (unpatched / patched) | tracker ops (unpatched / patched) |")
+    header = (
+        "| stage | mode | N | backward syncs (unpatched / patched) | step syncs (unpatched / patched / +grad norm) "
+        "| backward ms (unpatched / patched, ratio) | step ms (unpatched / patched / +grad norm) "
+        "| tracker ms (unpatched / patched) | tracker ops (unpatched / patched) |")
     lines = [header, "|" + " --- |" * 9]
     for u, p, g in zip(un, pa, gn):
         lines.append(f"| {u['stage']} | {u['mode']} | {u['n']} | {u['backward_syncs']} / {p['backward_syncs']} "
@@ -190,8 +209,9 @@ def render_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
     if "cuda" in un[0]:
         lines.append("\nCUDA, boundary backward: cudaStreamSynchronize / aten::item, unpatched vs patched")
         for u, p in zip(un, pa):
-            lines.append(f"stage {u['stage']} {u['mode']} N={u['n']}: {u['cuda']['cudaStreamSynchronize']} / "
-                         f"{u['cuda']['aten::item']} vs {p['cuda']['cudaStreamSynchronize']} / {p['cuda']['aten::item']}")
+            lines.append(
+                f"stage {u['stage']} {u['mode']} N={u['n']}: {u['cuda']['cudaStreamSynchronize']} / "
+                f"{u['cuda']['aten::item']} vs {p['cuda']['cudaStreamSynchronize']} / {p['cuda']['aten::item']}")
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +234,9 @@ def plot(results: Dict[str, List[Dict[str, Any]]], path: str, stage: int) -> boo
                     continue
                 xs, ys = zip(*points)
                 style = {"unpatched": "-", "patched": "--", "patched+grad-norm": ":"}[variant]
-                ax.plot(xs, [max(y, 0.5 if "syncs" in key else y) for y in ys], style, marker="o",
+                ax.plot(xs, [max(y, 0.5 if "syncs" in key else y) for y in ys],
+                        style,
+                        marker="o",
                         label=f"{variant}, {mode}")
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -261,8 +283,8 @@ def main(argv=None) -> int:
         json.dump({"world_size": args.world_size, "warmup": warmup, "steps": steps, "results": results}, f, indent=1)
     drawn = [plot(results, os.path.join(args.out, f"bench-zero{stage}.png"), stage) for stage in args.stages]
     print(f"wrote {os.path.join(args.out, 'bench.json')}" +
-          (f" and bench-zero{{{','.join(map(str, args.stages))}}}.png" if all(drawn) else
-           " (no plot: pip install matplotlib)") + f" in {time.time() - started:.0f} s")
+          (f" and bench-zero{{{','.join(map(str, args.stages))}}}.png"
+           if all(drawn) else " (no plot: pip install matplotlib)") + f" in {time.time() - started:.0f} s")
 
     bad = [r for v in ("patched", "patched+grad-norm") for r in results[v] if r["backward_syncs_max"] > 0]
     for r in bad:
