@@ -19,9 +19,8 @@ import json
 import sys
 from typing import List, Optional
 
+#: Exit codes for the states that are not good (see GOOD_STATES, which exit 0).
 EXIT = {
-    "applied": 0,
-    "upstream-fixed": 0,
     "unsupported": 1,
     "conflict": 3,
     "deepspeed-missing": 4,
@@ -72,12 +71,17 @@ def _status_command(args) -> int:
             print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
         print(f"opt-in on-device grad norm: {status.grad_norm_on_device}"
               f"{': ' + status.grad_norm_reason if status.grad_norm_reason else ''}")
-    return EXIT.get(status.state, 1)
+    return exit_code(status.state)
+
+
+def exit_code(state: str) -> int:
+    from deepspeed_offload_patch import GOOD_STATES
+    return 0 if state in GOOD_STATES else EXIT.get(state, 1)
 
 
 def _check_command(args) -> int:
     status = resolve_status()
-    code = EXIT.get(status.state, 1)
+    code = exit_code(status.state)
     version = status.deepspeed_version or "(not installed)"
     if code == 0:
         print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}")
