@@ -250,6 +250,20 @@ def plot(results: Dict[str, List[Dict[str, Any]]], path: str, stage: int) -> boo
     return True
 
 
+def _deepspeed_version() -> str:
+    from deepspeed_offload_patch.patcher import deepspeed_version
+    return deepspeed_version() or "?"
+
+
+def _write_readme(path: str, text: str) -> None:
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    with open(path) as f:
+        content = f.read()
+    head, rest = content.split(start, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{start}\n{text}{end}{rest.split(end, 1)[1]}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
@@ -260,6 +274,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, help="timed steps (default 5, quick 3)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--out", default=os.path.join("reports", "bench"), help="folder for bench.json, bench.png")
+    parser.add_argument("--readme",
+                        metavar="PATH",
+                        help="also write the table into this README, between the "
+                        "<!-- bench:start --> and <!-- bench:end --> markers")
     args = parser.parse_args(argv)
     sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 800, 3200])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -274,10 +292,14 @@ def main(argv=None) -> int:
         results[variant] = _combine(per_rank)
 
     table = render_table(results)
+    caption = (f"device: {results['patched'][0]['device']}, {args.world_size} ranks, torch {torch.__version__}, "
+               f"DeepSpeed {_deepspeed_version()}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
+               f"median of {steps} steps after {warmup} warm-up, the slowest rank's")
     print()
-    print(f"device: {results['patched'][0]['device']}, {args.world_size} ranks, gradient accumulation {GRAD_ACCUM}, "
-          f"median of {steps} steps after {warmup} warm-up; times in ms, the slowest rank's")
+    print(caption)
     print(table)
+    if args.readme:
+        _write_readme(args.readme, f"{caption}\n\n{table}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"world_size": args.world_size, "warmup": warmup, "steps": steps, "results": results}, f, indent=1)
