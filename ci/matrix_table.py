@@ -32,7 +32,8 @@ def passed(result: dict) -> bool:
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
     if "diff_tests" in result:
-        ok = ok and result["diff_state"] == "upstream-fixed" and result["diff_tests"]["failed"] == 0
+        ok = (ok and result["diff_state"] == result.get("diff_grad_norm_state") == "upstream-fixed"
+              and result["diff_tests"]["failed"] == 0)
     return bool(ok)
 
 
@@ -43,12 +44,13 @@ def _tests(counts: dict) -> str:
 
 def render(results: list) -> str:
     lines = [
-        "| DeepSpeed | state on import | tests | state with the diff applied | ZeRO tests on the diff alone | result "
+        "| DeepSpeed | state on import | tests | fix / grad norm with the diffs applied | ZeRO tests on the diffs alone "
+        "| result "
         "| commit |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        diff_state = r.get("diff_state", "–")
+        diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
         lines.append(f"| {r['release']} | {r['state']} | {_tests(r['tests'])} | {diff_state} | {diff_tests} | "
                      f"{'pass' if passed(r) else 'FAIL'} | {r.get('commit', '?')} |")

@@ -8,11 +8,13 @@
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
     python ci/matrix_table.py [--readme]          # the table of the last results (reports/matrix/)
 
-For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``), runs the test
-suite (all of ``tests/unit``; with the session argument ``core``, as ``matrix`` passes it, the ZeRO, guard and
-lifecycle tests plus ``ds-offload-patch check`` and ``verify``), then applies the release's diff from ``patches/`` to the installed DeepSpeed and, with the monkey-patch
-disabled, checks that ``status`` is ``upstream-fixed`` and the ZeRO regression tests pass on the diff alone (the
-file is restored after). For an unsupported release it runs ``tests/release``. Each session writes
+For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``) and runs the test
+suite: all of ``tests/unit``, or with the session argument ``core`` (``matrix`` passes it) the ZeRO regression tests
+plus ``ds-offload-patch check`` and ``verify`` (the rest of the suite tests the package's own mechanics, the same on
+every release; the representative releases run it). Then it applies the release's diffs from ``patches/``
+(the fix and the opt-in grad norm) to the installed DeepSpeed: the package must report both as ``upstream-fixed``,
+and with the monkey-patch disabled the ZeRO regression tests must pass on the diffs alone. The file is restored
+after. For an unsupported release it runs ``tests/release/test_unsupported_release.py``. Each session writes
 ``reports/matrix/<release>.json``.
 """
 
@@ -109,7 +111,7 @@ def release(session: nox.Session, deepspeed: str) -> None:
     else:
         result["expected"] = "applied"
         if "core" in session.posargs:
-            suite = ["tests/unit/v1/zero", "tests/unit/test_guard.py", "tests/unit/test_patch_lifecycle.py"]
+            suite = ["tests/unit/v1/zero"]
             session.run("python", "-m", "deepspeed_offload_patch", "check", env=clean)
             session.run("python", "-m", "deepspeed_offload_patch", "verify", env=clean)
         else:
@@ -126,20 +128,33 @@ def release(session: nox.Session, deepspeed: str) -> None:
 
 
 def _with_diff(session: nox.Session, deepspeed: str) -> dict:
-    """Apply the release's diff to the installed file; monkey-patch disabled: upstream-fixed, and tests pass."""
-    diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", silent=True, stderr=None)
-    path = os.path.join(_site_packages(session), TARGET)
-    backup = path + ".orig"
+    """Apply the release's diffs (the fix and the opt-in grad norm) to the installed file; then, with the
+    monkey-patch disabled, both must read as upstream-fixed and the ZeRO tests must pass on the diffs alone."""
+    site = _site_packages(session)
+    path = os.path.join(site, TARGET)
+    backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
     shutil.copy(path, backup)
     try:
-        diff_file = os.path.join(REPORTS, f"{deepspeed}.diff")
-        with open(diff_file, "w") as f:
-            f.write(diff[diff.index("--- a/"):])
-        session.run("patch", "-p1", "--quiet", "-d", _site_packages(session), "-i", diff_file, external=True)
+        for option, name in (([], "fix"), (["--grad-norm"], "grad-norm")):
+            diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", *option, silent=True, stderr=None)
+            diff_file = os.path.join(REPORTS, f"{deepspeed}-{name}.diff")
+            with open(diff_file, "w") as f:
+                f.write(diff[diff.index("--- a/"):])
+            session.run("patch",
+                        "-p1",
+                        "--quiet",
+                        "--no-backup-if-mismatch",
+                        "-d",
+                        site,
+                        "-i",
+                        diff_file,
+                        external=True)
         disabled = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_STRICT": "0"}
-        enabled = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0"}
+        enabled = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
+        status = _status(session, env=enabled)
         return {
-            "diff_state": _status(session, env=enabled)["state"],
+            "diff_state": status["state"],
+            "diff_grad_norm_state": status["grad_norm_on_device"],
             "diff_tests": _pytest(session, f"{deepspeed}-diff", "tests/unit/v1/zero", env=disabled),
         }
     finally:
@@ -160,7 +175,8 @@ def _ok(result: dict) -> bool:
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["passed"] > 0
     if "diff_tests" in result:
-        ok = ok and result["diff_state"] == "upstream-fixed" and result["diff_tests"]["failed"] == 0
+        ok = (ok and result["diff_state"] == result["diff_grad_norm_state"] == "upstream-fixed"
+              and result["diff_tests"]["failed"] == 0)
     return ok and tests["skipped"] == 0
 
 

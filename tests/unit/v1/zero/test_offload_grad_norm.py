@@ -97,7 +97,8 @@ def test_training_with_clipping_is_bit_identical_to_unpatched():
         name: run_distributed(_train, 2, args=(24, 4), env=env)
         for name, env in (("unpatched", UNPATCHED), ("opt-in", OPT_IN))
     }
-    assert [r["state"] for r in runs["opt-in"]] == ["applied", "applied"]
+    # upstream-fixed: DeepSpeed's file already has the on-device norm (the matrix runs this on the diff alone).
+    assert all(r["state"] in deepspeed_offload_patch.GOOD_STATES for r in runs["opt-in"]), runs["opt-in"]
     for before, after in zip(runs["unpatched"], runs["opt-in"]):
         assert after["norms"] == before["norms"] and min(before["norms"]) > 0.05, "clipping must be active"
         for name, value in before["params"].items():
