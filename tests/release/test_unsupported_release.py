@@ -15,16 +15,18 @@ from unit.common import run_command, run_python
 
 def test_old_release_is_left_untouched_with_one_warning():
     result = run_python("""
-        import inspect
         import deepspeed_offload_patch as dop
         import deepspeed
         from deepspeed.runtime.zero import stage_1_and_2
+        from deepspeed_offload_patch import guard
         status = dop.status()
         assert status.state == "unsupported", status
         assert not dop.is_applied()
-        for name, func in vars(stage_1_and_2.DeepSpeedZeroOptimizer).items():
-            if inspect.isfunction(func):
-                assert inspect.getsourcefile(func) == stage_1_and_2.__file__, name
+        cls = stage_1_and_2.DeepSpeedZeroOptimizer
+        for name in guard.ALL_METHODS + ("update_overflow_tracker_for_param_grad", ):
+            func = cls.__dict__.get(name)
+            assert func is None or func.__code__.co_filename == stage_1_and_2.__file__, name
+            assert all(func is not ours for _, ours in guard._replacements(name)), name
         print("version", deepspeed.__version__)
     """)
     output = result.stdout + result.stderr
