@@ -34,7 +34,7 @@ import torch
 
 from deepspeed_offload_patch.testing import count_host_syncs
 from deepspeed_offload_patch.testing.launch import run_distributed
-from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step
 
 MODES = {
     "bf16-check": {
@@ -123,7 +123,7 @@ def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -
     result: Dict[str, Any] = {"backward_s": [], "step_s": [], "tracker_s": []}
     for step in range(1 + warmup + steps):
         engine.backward(engine(batch(engine, step * GRAD_ACCUM)))
-        engine.step()
+        optimizer_step(engine)
         loss = engine(batch(engine, step * GRAD_ACCUM + 1))
         if step == 0:  # the counting step: counters slow things down, so nothing is timed here
             probe.count_ops = True
@@ -132,12 +132,12 @@ def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -
             probe.count_ops = False
             result["backward_syncs"], result["tracker_ops"] = syncs.total, probe.ops
             with count_host_syncs() as syncs:
-                engine.step()
+                optimizer_step(engine)
             result["step_syncs"] = syncs.total
             continue
         if engine.device.type == "cuda" and step == 1:
             result["cuda"] = _cuda_sync_events(engine, loss)
-            engine.step()
+            optimizer_step(engine)
             continue
         probe.seconds = 0.0
         _sync(engine)
@@ -145,7 +145,7 @@ def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -
         engine.backward(loss)
         _sync(engine)
         middle = time.perf_counter()
-        engine.step()
+        optimizer_step(engine)
         _sync(engine)
         end = time.perf_counter()
         if step > warmup:

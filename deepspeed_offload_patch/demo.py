@@ -19,7 +19,7 @@ import torch
 
 from deepspeed_offload_patch.testing import count_host_syncs
 from deepspeed_offload_patch.testing.launch import run_distributed
-from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 
 GRAD_ACCUM = 2
 
@@ -48,7 +48,7 @@ def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int) -> Dict[s
             if handle is not None:
                 handle.remove()
             with count_host_syncs() as syncs:
-                engine.step()
+                optimizer_step(engine)
             if is_boundary:
                 in_step.append(syncs.total)
         skipped.append(engine.skipped_steps)

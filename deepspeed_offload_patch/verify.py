@@ -18,7 +18,7 @@ GRAD_ACCUM = 2
 def _verify_rank(steps: int) -> Dict[str, Any]:
     import deepspeed_offload_patch as dop
     from deepspeed_offload_patch.testing import HostSyncError, no_host_sync
-    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 
     engine = make_engine(40, config=ds_config(stage=2, grad_accum=GRAD_ACCUM))
     report: Dict[str, Any] = {"state": dop.status().state, "device": str(engine.device), "sync": None}
@@ -34,14 +34,14 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
                     return report
             else:
                 engine.backward(loss)
-            engine.step()
+            optimizer_step(engine)
 
     before, skipped = params_snapshot(engine), engine.skipped_steps
     poisoned = engine.module.layers[0].weight
     handle = poisoned.register_hook(lambda g: torch.full_like(g, float("nan")))
     for micro in range(GRAD_ACCUM):
         engine.backward(engine(batch(engine, 1000 + micro)))
-        engine.step()
+        optimizer_step(engine)
     handle.remove()
     after = params_snapshot(engine)
     report["nan_skipped"] = engine.skipped_steps == skipped + 1

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A small model and ZeRO-1/2 offload engines for the demo, the tests and the benchmark, runnable on a CPU."""
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
@@ -21,6 +21,29 @@ class ManyLinear(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x.float().pow(2).mean()
+
+
+class SometimesUnused(ManyLinear):
+    """:class:`ManyLinear` plus a side layer that only some forward passes use (``use_side``): its parameters get no
+    gradient in the others, and one more layer never gets one."""
+
+    def __init__(self, num_tensors: int = 120, hidden: int = 8):
+        super().__init__(num_tensors, hidden)
+        self.side = torch.nn.Linear(hidden, hidden)
+        self.never_used = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, use_side: bool = True) -> torch.Tensor:
+        if use_side:
+            x = x + torch.tanh(self.side(x))
+        return super().forward(x)
+
+
+def param_groups(model: torch.nn.Module) -> list:
+    """Two optimizer param groups with different learning rates and weight decay: the first half of the model's
+    parameters, and the rest."""
+    params = list(model.parameters())
+    half = len(params) // 2
+    return [{"params": params[:half]}, {"params": params[half:], "lr": 5e-3, "weight_decay": 0.01}]
 
 
 def ds_config(stage: int = 2,
@@ -61,17 +84,24 @@ def ds_config(stage: int = 2,
     return config
 
 
-def make_engine(num_tensors: int = 120, hidden: int = 8, seed: int = 1234, config: Optional[Dict[str, Any]] = None):
-    """A DeepSpeed engine over :class:`ManyLinear`, with the same initial parameters on every rank.
+def make_engine(num_tensors: int = 120,
+                hidden: int = 8,
+                seed: int = 1234,
+                config: Optional[Dict[str, Any]] = None,
+                model_class: type = ManyLinear,
+                groups: bool = False):
+    """A DeepSpeed engine over ``model_class`` (:class:`ManyLinear` or :class:`SometimesUnused`), with the same
+    initial parameters on every rank; with ``groups``, over the two :func:`param_groups`.
 
     ``deepspeed.comm`` must be initialized (see :mod:`deepspeed_offload_patch.testing.launch`).
     """
     import deepspeed
 
     torch.manual_seed(seed)
-    model = ManyLinear(num_tensors, hidden)
+    model = model_class(num_tensors, hidden)
+    parameters: Union[Iterable, list] = param_groups(model) if groups else model.parameters()
     engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=model.parameters(),
+                                           model_parameters=parameters,
                                            config=config if config is not None else ds_config())
     return engine
 
@@ -82,6 +112,17 @@ def batch(engine, step: int, hidden: int = 8) -> torch.Tensor:
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), hidden, generator=generator)
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     return x.to(device=engine.device, dtype=dtype)
+
+
+def optimizer_step(engine) -> None:
+    """``engine.step()`` without autograd recording, as ``torch.optim`` optimizers step.
+
+    DeepSpeed 0.18.7-0.18.9 build the flat parameter buffer of ZeRO-1/2 inside the autograd graph (0.19.0 detaches
+    it); in grad mode, gloo's all-gather into that buffer's partitions then fails ("Output 0 of Split is a view and
+    is being modified inplace"), patched or not. Stepping under ``no_grad`` changes nothing else on any release.
+    """
+    with torch.no_grad():
+        engine.step()
 
 
 def params_snapshot(engine) -> Dict[str, torch.Tensor]:
