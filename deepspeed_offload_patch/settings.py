@@ -15,22 +15,25 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def flag(name: str) -> bool:
+def flag(name: str, odd: bool = False) -> bool:
     """Read a boolean switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset means off.
 
-    Any other value counts as off, with a warning that names the switch and the value (logged once).
+    Any other value counts as ``odd``, with a warning that names the switch, the value and the reading (logged
+    once). Each switch passes the reading that leaves DeepSpeed untouched.
     """
     value = os.environ.get(name, "").strip().lower()
     if value in _TRUE:
         return True
-    if value not in _FALSE:
-        from deepspeed_offload_patch.log import warn_once
-        warn_once(f"{name}={os.environ[name]!r} is neither 0 nor 1; treating it as 0")
-    return False
+    if value in _FALSE:
+        return False
+    from deepspeed_offload_patch.log import warn_once
+    warn_once(f"{name}={os.environ[name]!r} is neither 0 nor 1; treating it as {int(odd)}, which leaves DeepSpeed "
+              f"untouched")
+    return odd
 
 
 def disabled() -> bool:
-    return flag(DISABLE)
+    return flag(DISABLE, odd=True)
 
 
 def strict() -> bool:

@@ -127,14 +127,23 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
         DS_OFFLOAD_PATCH_DISABLE="1")
 
 
-def test_switch_with_odd_value_warns_and_counts_as_off():
-    output = run("""
+@pytest.mark.parametrize("switch, state", [("DS_OFFLOAD_PATCH_DISABLE", "disabled"),
+                                           ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied")])
+def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch, state):
+    output = run(
+        f"""
         import deepspeed_offload_patch as dop
         import deepspeed
-        assert dop.status().state == "applied", dop.status()
-    """,
-                 DS_OFFLOAD_PATCH_DISABLE="maybe")
-    assert [line for line in warnings_in(output) if "DS_OFFLOAD_PATCH_DISABLE='maybe'" in line], output
+        status = dop.status()
+        assert status.state == "{state}" and status.grad_norm_on_device == "off", status
+        assert is_ours(target()) == (status.state == "applied")
+        assert dop.apply().state == "{state}"
+        from deepspeed_offload_patch import grad_norm
+        assert target().__dict__["complete_grad_norm_calculation_for_cpu_offload"] is not grad_norm.REPLACEMENTS[
+            "complete_grad_norm_calculation_for_cpu_offload"][0][1]
+    """, **{switch: "maybe"})
+    lines = warnings_in(output)
+    assert len(lines) == 1 and f"{switch}='maybe' is neither 0 nor 1" in lines[0], output
 
 
 UNKNOWN_RELEASE = """
