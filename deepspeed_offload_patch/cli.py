@@ -39,7 +39,8 @@ ADVICE = {
 def resolve_status():
     """Import the package and, where DeepSpeed is installed, its ZeRO module, so the state is final (not pending).
 
-    Strict mode's error is reported as the status it carries, not raised. DeepSpeed's import logs to stdout; that
+    Strict mode's error, or DeepSpeed's module failing to import, is reported as the status it leaves (the reason
+    names the exception), not raised. DeepSpeed's import logs to stdout; that
     goes to stderr here, so that stdout holds only this command's output (``status --json`` parses).
     """
     import contextlib
@@ -52,7 +53,7 @@ def resolve_status():
         with contextlib.redirect_stdout(sys.stderr):
             try:
                 importlib.import_module(patcher.TARGET_MODULE)
-            except dop.PatchError:
+            except Exception:
                 pass
     return dop.status()
 

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 import threading
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional
 
 _lock = threading.Lock()
 
@@ -31,7 +31,13 @@ class _CallbackLoader(importlib.abc.Loader):
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
+        try:
+            self._loader.exec_module(module)
+        except BaseException as exc:
+            # The importer gets its own exception, unchanged; the hook stays for a later import.
+            if self._finder.on_error is not None:
+                self._finder.on_error(exc)
+            raise
         remove(self._finder)
         self._finder.callback(module)
 
@@ -39,9 +45,13 @@ class _CallbackLoader(importlib.abc.Loader):
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: it wraps the loader that the other finders return for one module name."""
 
-    def __init__(self, name: str, callback: Callable[[ModuleType], None]):
+    def __init__(self,
+                 name: str,
+                 callback: Callable[[ModuleType], None],
+                 on_error: Optional[Callable[[BaseException], None]] = None):
         self.name = name
         self.callback = callback
+        self.on_error = on_error
         self._searching = threading.local()
 
     def find_spec(self, fullname, path, target=None):
@@ -58,16 +68,19 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+def when_imported(name: str,
+                  callback: Callable[[ModuleType], None],
+                  on_error: Optional[Callable[[BaseException], None]] = None) -> None:
     """Call ``callback(module)`` once ``name`` is imported: now if it already is, else right after its import.
 
-    The callback runs once. If the module fails to import, it does not run and the hook stays for a later try.
+    The callback runs once. If the module fails to import, ``on_error(exception)`` runs, the importer gets the
+    exception unchanged, and the hook stays for a later try.
     """
     with _lock:
         module = sys.modules.get(name)
         if module is None:
             if not any(isinstance(f, _PostImportFinder) and f.name == name for f in sys.meta_path):
-                sys.meta_path.insert(0, _PostImportFinder(name, callback))
+                sys.meta_path.insert(0, _PostImportFinder(name, callback, on_error))
             return
     callback(module)
 

@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Applies and reverts the patch: the registry of originals, the lazy hook, the state that ``status()`` reports."""
 
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -9,7 +10,7 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from deepspeed_offload_patch import import_hook, settings
 from deepspeed_offload_patch.log import info_once, warn_once
@@ -61,6 +62,7 @@ class PatchStatus:
 _lock = threading.RLock()
 _originals: Dict[str, Callable] = {}  # DeepSpeed's functions, by method name, while the patch is applied
 _installed: Dict[str, Callable] = {}  # the replacements this process installed, by method name
+_subclass_watch: Dict[type, object] = {}  # the __init_subclass__ hook installed on the patched class
 _status = PatchStatus(NOT_APPLIED, None, "the patch has not been applied in this process")
 
 
@@ -125,7 +127,9 @@ def _apply_set(cls: type, patch_set):
         _installed[name] = replacement
         setattr(cls, name, replacement)
     if decision.replacements:
-        _warn_overriding_subclasses(cls, decision.replacements)
+        for sub in _subclasses(cls):
+            _warn_if_overriding(sub)
+        _watch_subclasses(cls)
     return decision
 
 
@@ -165,21 +169,70 @@ def _restore(module: ModuleType) -> None:
             warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
     _originals.clear()
     _installed.clear()
+    if cls.__dict__.get("__init_subclass__") is _subclass_watch.get(cls):
+        del cls.__init_subclass__
+    _subclass_watch.pop(cls, None)
+    _settle_live_flags(cls)
 
 
-def _warn_overriding_subclasses(cls: type, replaced: Dict[str, Callable]) -> None:
-    """Subclasses that define a patched method themselves do not get the fix: say which."""
-    pending, seen = list(cls.__subclasses__()), set()
+def _settle_live_flags(cls: type) -> None:
+    """Turn a device flag that the patched tracker left in a live optimizer into the Python bool that DeepSpeed's
+    own methods keep there (one host read per optimizer, once). Optimizers are found through the garbage collector,
+    which tracks every instance: revert is rare, and the patch keeps no references to them."""
+    import torch
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some lazy module objects warn about.
+        if issubclass(type(obj), cls) and torch.is_tensor(vars(obj).get("local_overflow")):
+            obj.local_overflow = bool(obj.local_overflow)
+
+
+def _subclasses(cls: type) -> List[type]:
+    found, pending = [], list(cls.__subclasses__())
     while pending:
         sub = pending.pop()
-        if sub in seen:
-            continue
-        seen.add(sub)
-        pending.extend(sub.__subclasses__())
-        for name in replaced:
-            if name in sub.__dict__:
-                warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {name}; its instances keep that override "
-                          f"and do not get the fix")
+        if sub not in found:
+            found.append(sub)
+            pending.extend(sub.__subclasses__())
+    return found
+
+
+def _warn_if_overriding(sub: type) -> None:
+    """A subclass that defines a patched method itself runs its own method, not the patch's: say which."""
+    for name in list(_installed):
+        if name in sub.__dict__:
+            warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {TARGET_CLASS}.{name}: its instances run "
+                      f"that override instead of the patch's {name} (the other patched method still applies)")
+
+
+def _watch_subclasses(cls: type) -> None:
+    """Warn about overriding subclasses defined after the patch, too: hook their creation with
+    ``__init_subclass__`` on the patched class (removed on revert). Left out if DeepSpeed defines its own."""
+    if "__init_subclass__" in cls.__dict__:
+        return
+
+    def __init_subclass__(sub, **kwargs):
+        super(cls, sub).__init_subclass__(**kwargs)
+        _warn_if_overriding(sub)
+
+    cls.__init_subclass__ = classmethod(__init_subclass__)
+    _subclass_watch[cls] = cls.__dict__["__init_subclass__"]
+
+
+def _target_failed(exc: BaseException) -> PatchStatus:
+    status = _set(
+        UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
+        f"when an import of it succeeds")
+    _report("the offload overflow flag fix", status.state, status.reason, strict=False)
+    return status
+
+
+def _on_target_import_error(exc: BaseException) -> None:
+    """The lazy hook, when DeepSpeed's ZeRO module fails to import: say so once. The importer gets DeepSpeed's own
+    exception, unchanged (strict mode adds nothing to it)."""
+    if isinstance(exc, Exception):
+        with _lock:
+            _target_failed(exc)
 
 
 def _on_target_import(module: ModuleType) -> None:
@@ -207,7 +260,7 @@ def install() -> PatchStatus:
             return _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
         if TARGET_MODULE not in sys.modules:
             _set(PENDING, f"waiting for {TARGET_MODULE} to be imported")
-        import_hook.when_imported(TARGET_MODULE, _on_target_import)
+        import_hook.when_imported(TARGET_MODULE, _on_target_import, _on_target_import_error)
         return _status
 
 
@@ -223,7 +276,9 @@ def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
 
     Raises:
         ImportError: DeepSpeed is not installed (the message names the ``deepspeed`` package).
-        PatchError: the patch cannot apply and ``DS_OFFLOAD_PATCH_STRICT=1`` is set.
+        PatchError: the patch cannot apply, or DeepSpeed's ZeRO module fails to import, and
+            ``DS_OFFLOAD_PATCH_STRICT=1`` is set. Without strict mode, a failing import is reported as
+            ``unsupported`` (the reason names the exception) with one WARNING.
     """
     with _lock:
         if settings.disabled():
@@ -232,9 +287,20 @@ def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
             _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
             raise ImportError("deepspeed_offload_patch.apply() needs the 'deepspeed' package: pip install deepspeed",
                               name="deepspeed")
+    # Imported outside the lock: the import takes Python's module lock, and the lazy hook, which may run inside
+    # that import on this or another thread, takes ours.
+    try:
+        module = importlib.import_module(TARGET_MODULE)
+    except Exception as exc:
+        with _lock:
+            status = _target_failed(exc)
+        if settings.strict():
+            raise PatchError(f"the offload overflow flag fix not applied: {status.reason}") from exc
+        return status
+    with _lock:
         import_hook.cancel(TARGET_MODULE)
         grad_norm = settings.grad_norm() if grad_norm_on_device is None else grad_norm_on_device
-        return _patch_module(importlib.import_module(TARGET_MODULE), settings.strict(), grad_norm)
+        return _patch_module(module, settings.strict(), grad_norm)
 
 
 def revert() -> PatchStatus:

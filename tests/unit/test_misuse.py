@@ -1,0 +1,167 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Misuse and broken environments: one clear message, no crash unless strict mode asks, DeepSpeed untouched.
+
+Each case runs in a fresh interpreter. Live engines reverted mid-training are in
+``v1/zero/test_offload_misuse.py``; odd switch values in ``test_patch_lifecycle.py``.
+"""
+
+import os
+import sys
+import textwrap
+
+from unit.common import assert_ok, run_command
+from unit.test_patch_lifecycle import run, warnings_in
+
+
+def test_apply_from_many_threads_at_once():
+    run("""
+        import threading
+        import deepspeed_offload_patch as dop
+        from deepspeed_offload_patch import patcher
+
+        assert "deepspeed" not in sys.modules and dop.status().state == "pending"
+        barrier = threading.Barrier(8)
+        states, errors = [], []
+
+        def apply():
+            barrier.wait()
+            try:
+                states.append(dop.apply().state)
+            except BaseException as exc:
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=apply) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors and states == ["applied"] * 8, (states, errors)
+        cls = target()
+        assert is_ours(cls) and dop.is_applied()
+        originals = dict(patcher._originals)
+        assert sorted(originals) == ["has_overflow", "update_offload_overflow_tracker"], originals
+        assert all(f.__module__ == "deepspeed.runtime.zero.stage_1_and_2" for f in originals.values()), originals
+        assert dop.revert().state == "reverted"
+        assert all(cls.__dict__[name] is original for name, original in originals.items())
+    """)
+
+
+def test_subclasses_that_override_a_patched_method_are_named():
+    output = run("""
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        class BeforePatch(DeepSpeedZeroOptimizer):
+            def has_overflow(self, partition_gradients=True):
+                return False
+
+        import deepspeed_offload_patch as dop
+        assert dop.status().state == "applied"
+
+        class AfterPatch(DeepSpeedZeroOptimizer):
+            def update_offload_overflow_tracker(self, grad):
+                pass
+
+        class Inherits(AfterPatch):
+            pass
+
+        class NoOverride(DeepSpeedZeroOptimizer):
+            def step(self, closure=None):
+                return super().step(closure)
+
+        assert dop.status().state == "applied" and is_ours(DeepSpeedZeroOptimizer)
+        dop.revert()
+        assert "__init_subclass__" not in DeepSpeedZeroOptimizer.__dict__
+
+        class AfterRevert(DeepSpeedZeroOptimizer):
+            def has_overflow(self, partition_gradients=True):
+                return False
+    """)
+    lines = warnings_in(output)
+    assert len(lines) == 2, output
+    assert "BeforePatch overrides DeepSpeedZeroOptimizer.has_overflow" in lines[0], output
+    assert "AfterPatch overrides DeepSpeedZeroOptimizer.update_offload_overflow_tracker" in lines[1], output
+
+
+BROKEN_DEEPSPEED = {
+    "deepspeed/__init__.py": "__version__ = '0.19.8'\n",
+    "deepspeed/runtime/__init__.py": "",
+    "deepspeed/runtime/zero/__init__.py": "",
+    "deepspeed/runtime/zero/stage_1_and_2.py": "raise ImportError('stage_1_and_2 needs a module that is missing')\n",
+}
+
+
+def _broken_deepspeed(tmp_path) -> dict:
+    for name, text in BROKEN_DEEPSPEED.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+IMPORT_THE_BROKEN_MODULE = """
+    import deepspeed_offload_patch as dop
+    assert dop.status().state == "pending", dop.status()
+    try:
+        import deepspeed.runtime.zero.stage_1_and_2
+    except ImportError as exc:
+        assert type(exc) is ImportError and str(exc) == "stage_1_and_2 needs a module that is missing", repr(exc)
+    else:
+        raise AssertionError("the broken module imported")
+    status = dop.status()
+    assert status.state == "unsupported", status
+    assert "failed to import (ImportError: stage_1_and_2 needs a module that is missing)" in status.reason, status
+"""
+
+
+def test_a_deepspeed_whose_zero_module_fails_to_import(tmp_path):
+    output = run(IMPORT_THE_BROKEN_MODULE, """
+        assert dop.apply().state == "unsupported"
+        assert not dop.is_applied()
+    """, **_broken_deepspeed(tmp_path))
+    lines = warnings_in(output)
+    assert len(lines) == 1 and "failed to import" in lines[0] and "left unchanged" in lines[0], output
+
+
+def test_a_deepspeed_whose_zero_module_fails_to_import_in_strict_mode(tmp_path):
+    run(IMPORT_THE_BROKEN_MODULE,
+        """
+        try:
+            dop.apply()
+        except dop.PatchError as exc:
+            assert isinstance(exc.__cause__, ImportError) and "failed to import" in str(exc), repr(exc)
+        else:
+            raise AssertionError("strict mode did not raise")
+    """,
+        DS_OFFLOAD_PATCH_STRICT="1",
+        **_broken_deepspeed(tmp_path))
+
+
+def test_check_reports_a_zero_module_that_fails_to_import(tmp_path):
+    result = run_command([sys.executable, "-m", "deepspeed_offload_patch", "check"], env=_broken_deepspeed(tmp_path))
+    assert result.returncode == 1, result
+    assert "FAIL (unsupported)" in result.stdout and "failed to import (ImportError" in result.stdout, result
+
+
+def test_the_import_hook_passes_a_failing_import_through_and_waits_for_a_good_one(tmp_path):
+    module = tmp_path / "flaky_target.py"
+    module.write_text("raise KeyError('not yet')\n")
+    code = textwrap.dedent("""
+        import importlib, sys
+        from deepspeed_offload_patch import import_hook
+        loaded, errors = [], []
+        import_hook.when_imported("flaky_target", loaded.append, on_error=errors.append)
+        try:
+            import flaky_target
+        except KeyError as exc:
+            assert errors == [exc] and loaded == [], (errors, loaded)
+        else:
+            raise AssertionError("imported")
+        open(sys.argv[1], "w").write("VALUE = 1\\n")
+        importlib.invalidate_caches()
+        import flaky_target
+        assert loaded == [flaky_target] and flaky_target.VALUE == 1, loaded
+        print("ok")
+    """)
+    result = run_command([sys.executable, "-c", code, str(module)], env={"PYTHONPATH": str(tmp_path)})
+    assert "ok" in assert_ok(result)
