@@ -16,6 +16,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "fails_unpatched: the test exists for the patch and must fail on unpatched DeepSpeed "
         "(checked by ci/check_red_green.py)")
+    config.addinivalue_line(
+        "markers", "equivalence: the test trains in patched and in unpatched processes of its own and compares them; "
+        "the DS_OFFLOAD_PATCH_* switches of the pytest process do not change it")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -9,29 +9,16 @@ Tests marked ``fails_unpatched`` exist for the patch: with ``DS_OFFLOAD_PATCH_DI
 
 import pytest
 import torch
-from packaging.version import Version
 
-import deepspeed
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed.utils import safe_set_full_grad
-from deepspeed_offload_patch.guard import release_of
 from deepspeed_offload_patch.testing import RaisingBoolTensor
-from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, params_snapshot
+from deepspeed_offload_patch.testing.equivalence import poison_grad, ranks_agree_on_overflow
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 from unit.common import DistributedTest
 
 NUM_TENSORS = 16
-
-
-def _poison_grad(param: torch.nn.Parameter, value: float):
-    """Put ``value`` into one element of ``param``'s next gradient on this rank; returns the hook handle."""
-
-    def hook(grad):
-        grad = grad.clone()
-        grad.view(-1)[0] = value
-        return grad
-
-    return param.register_hook(hook)
 
 
 def _holds_first_element(optimizer, param) -> bool:
@@ -40,20 +27,10 @@ def _holds_first_element(optimizer, param) -> bool:
     return position is not None and position[1] == 0
 
 
-def _ranks_agree_on_overflow(zero_stage: int) -> bool:
-    """Whether DeepSpeed all-reduces the offload overflow flag over data-parallel ranks at this stage.
-
-    DeepSpeed 0.17.x does so only when gradients are partitioned (ZeRO-2). Under ZeRO-1, an overflow that only one
-    rank's partition sees makes the ranks disagree, and their collectives then abort, patched or not (fixed upstream
-    in 0.18.0; the patch keeps each release's behaviour). There, the tests put the bad value on every rank.
-    """
-    return zero_stage == 2 or release_of(deepspeed.__version__) >= Version("0.18.0")
-
-
 def _poison_plan(engine, zero_stage: int, param, rank: int):
     """``(parameters, ranks)``: ``param`` on ``rank`` alone where the ranks agree on overflow; otherwise every
     parameter on every rank, so that every rank's partition sees a bad value."""
-    if _ranks_agree_on_overflow(zero_stage):
+    if ranks_agree_on_overflow(zero_stage):
         return [param], [rank]
     return list(engine.module.parameters()), list(range(dist.get_world_size()))
 
@@ -65,13 +42,13 @@ def _train_step(engine, step: int, poison=(), ranks_to_poison=(), value=float("i
         handles = []
         boundary = micro == engine.gradient_accumulation_steps() - 1
         if boundary and dist.get_rank() in ranks_to_poison:
-            handles = [_poison_grad(param, value) for param in poison]
+            handles = [poison_grad(param, value) for param in poison]
         engine.backward(engine(batch(engine, step * 10 + micro)))
         for handle in handles:
             handle.remove()
         if boundary:
             return
-        engine.step()
+        optimizer_step(engine)
 
 
 def _assert_skipped_and_unchanged(engine, before, skipped: int) -> None:
@@ -99,13 +76,13 @@ class TestOffloadOverflowFlag(DistributedTest):
         flag = optimizer.local_overflow
         assert isinstance(flag, RaisingBoolTensor) and flag.dtype == torch.bool, type(flag)
         assert RaisingBoolTensor.plain(flag).item() == any(_holds_first_element(optimizer, p) for p in params)
-        engine.step()
+        optimizer_step(engine)
         assert engine.skipped_steps == 1
         assert optimizer.local_overflow is False, "the flag is reset after the step"
 
         _train_step(engine, 1)
         assert not RaisingBoolTensor.plain(optimizer.local_overflow).item()
-        engine.step()
+        optimizer_step(engine)
         assert engine.skipped_steps == 1 and optimizer.local_overflow is False
 
     @pytest.mark.fails_unpatched
@@ -114,31 +91,31 @@ class TestOffloadOverflowFlag(DistributedTest):
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
         for step in range(2):
             engine.backward(engine(batch(engine, 2 * step)))
-            engine.step()
+            optimizer_step(engine)
             loss = engine(batch(engine, 2 * step + 1))
             assert engine.is_gradient_accumulation_boundary()
             with host_sync_counter() as syncs:
                 engine.backward(loss)
             assert syncs.total == 0, f"rank {dist.get_rank()}: {syncs.counts} at {syncs.events[:3]}"
-            engine.step()
+            optimizer_step(engine)
         assert engine.skipped_steps == 0
 
     @pytest.mark.parametrize("zero_stage", [1, 2])
     def test_nan_skips_step_on_every_rank(self, zero_stage):
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
         _train_step(engine, 0)
-        engine.step()
+        optimizer_step(engine)
         before = params_snapshot(engine)
 
         # NaN in one parameter's gradient on rank 1 only: both ranks skip, nothing changes.
         params, ranks = _poison_plan(engine, zero_stage, engine.module.layers[5].bias, 1)
         _train_step(engine, 1, params, ranks, value=float("nan"))
-        engine.step()
+        optimizer_step(engine)
         _assert_skipped_and_unchanged(engine, before, skipped=1)
 
         # The flag was reset: the next step trains.
         _train_step(engine, 2)
-        engine.step()
+        optimizer_step(engine)
         assert engine.skipped_steps == 1
         assert any(not torch.equal(value, before[name]) for name, value in params_snapshot(engine).items())
 
@@ -147,18 +124,18 @@ class TestOffloadOverflowFlag(DistributedTest):
         # Also with a CPU value on an accelerator: the flag lives on the accelerator and takes the CPU result.
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage))
         _train_step(engine, 0)
-        engine.step()
+        optimizer_step(engine)
         before = params_snapshot(engine)
 
         _train_step(engine, 1)
         # One rank sets, as a CPU tensor, a full gradient with one NaN for a parameter whose partition it holds.
-        setter = 0 if _ranks_agree_on_overflow(zero_stage) else dist.get_rank()
+        setter = 0 if ranks_agree_on_overflow(zero_stage) else dist.get_rank()
         if dist.get_rank() == setter:
             target = next(p for p in engine.module.parameters() if p._hp_mapping is not None)
             value = torch.zeros(target.shape, dtype=torch.float32, device="cpu")
             value.view(-1)[0] = float("nan")
             safe_set_full_grad(target, value)
-        engine.step()
+        optimizer_step(engine)
         _assert_skipped_and_unchanged(engine, before, skipped=1)
 
     @pytest.mark.fails_unpatched
@@ -176,7 +153,7 @@ class TestOffloadOverflowFlag(DistributedTest):
         optimizer._has_inf_or_nan = counting_check
         before = params_snapshot(engine)
         _train_step(engine, 0)
-        engine.step()
+        optimizer_step(engine)
         assert calls == [], f"rank {dist.get_rank()}: {len(calls)} gradients checked with the check off"
         assert engine.skipped_steps == 0
         assert any(not torch.equal(value, before[name]) for name, value in params_snapshot(engine).items())

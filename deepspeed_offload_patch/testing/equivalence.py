@@ -1,0 +1,397 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Train the same runs with and without the patch, in separate processes, and compare them bit for bit.
+
+A :class:`Run` is a small ZeRO-1/2 training run with the optimizer offloaded to the CPU: stage, accumulation,
+precision, ZeRO options, model, and the :class:`Fault` s (inf or NaN gradients) it injects. :func:`run_side` trains
+runs on spawned ranks with the patch on (``patched``) or off (``unpatched``) and returns each rank's trace: the
+overflow flag before every boundary ``step()`` (read on the host, where the check is on), and after every optimizer
+step the bits of the model's parameters and of the fp32 master partitions, the skipped-step count,
+``optimizer.overflow`` and the loss scale state, each with its Python type. :func:`differences` lists where two
+traces differ; an empty list means the runs were bit-identical.
+
+Everything is deterministic on the CPU (one thread per rank, seeded model, inputs by step and rank), so two
+processes running the same code produce the same bits; a difference means the code differed.
+"""
+
+import gc
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from deepspeed_offload_patch.testing.launch import run_distributed
+from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused, batch, ds_config, make_engine,
+                                                    optimizer_step)
+
+__all__ = [
+    "PATCHED", "UNPATCHED", "Fault", "Run", "differences", "poison_grad", "ranks_agree_on_overflow", "run_side",
+    "trace_runs", "zenflow_available"
+]
+
+PATCHED = "patched"
+UNPATCHED = "unpatched"
+#: Each side's switches, whatever the calling process has: the sides must differ in the patch and nothing else.
+SIDE_ENV = {
+    PATCHED: {
+        "DS_OFFLOAD_PATCH_DISABLE": "0",
+        "DS_OFFLOAD_PATCH_STRICT": "0",
+        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+    },
+    UNPATCHED: {
+        "DS_OFFLOAD_PATCH_DISABLE": "1",
+        "DS_OFFLOAD_PATCH_STRICT": "0",
+        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+    },
+}
+PRECISIONS = ("bf16", "bf16-nocheck", "fp32")
+MODELS = ("plain", "sometimes-unused", "param-groups")
+FAULT_PATHS = ("grad", "set-cpu", "set-device")
+CHECKPOINT_TAG = "mid"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A bad gradient at optimizer step ``step``: ``value`` is ``"nan"``, ``"inf"`` or ``"-inf"``.
+
+    ``via="grad"``: element 0 of the gradient that backward produces for parameter number ``param``, at micro-step
+    ``micro`` (``None``: the boundary), on rank ``rank`` (``None``: every rank). ``via="set-cpu"`` or
+    ``"set-device"``: after the boundary backward, ``safe_set_full_grad`` with a gradient full of ``value``, as a CPU
+    or an accelerator tensor, for the first parameter whose partition the rank holds.
+
+    Where DeepSpeed does not all-reduce the offload flag over data-parallel ranks (0.17.x under ZeRO-1), a one-rank
+    fault makes the ranks disagree and abort, patched or not; there the fault goes to every parameter on every rank.
+    """
+
+    step: int
+    value: str = "nan"
+    rank: Optional[int] = 0
+    micro: Optional[int] = None
+    param: int = 0
+    via: str = "grad"
+
+    def __post_init__(self):
+        if self.via not in FAULT_PATHS:
+            raise ValueError(f"via must be one of {FAULT_PATHS}, not {self.via!r}")
+        if not math.isnan(float(self.value)) and not math.isinf(float(self.value)):
+            raise ValueError(f"a fault's value is nan, inf or -inf, not {self.value!r}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run on every rank. ``precision``: ``bf16`` (overflow check on), ``bf16-nocheck`` or ``fp32``;
+    ``model``: ``plain``, ``sometimes-unused`` (a side layer only even micro-steps use, one layer never used) or
+    ``param-groups`` (two optimizer groups). ``zenflow`` trains with DeepSpeed's ZenFlow optimizer (ZeRO-2, its
+    CPU Adam). ``save_after``: save a checkpoint after that many steps when :func:`trace_runs` is given a
+    ``save_root``."""
+
+    name: str
+    stage: int = 2
+    grad_accum: int = 1
+    precision: str = "bf16"
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    model: str = "plain"
+    zenflow: bool = False
+    steps: int = 5
+    faults: Tuple[Fault, ...] = ()
+    save_after: Optional[int] = None
+    num_tensors: int = 12
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS or self.model not in MODELS:
+            raise ValueError(f"{self.name}: precision in {PRECISIONS}, model in {MODELS}")
+
+    @property
+    def skips_bad_steps(self) -> bool:
+        """bf16 with the check on skips a step with an inf/NaN gradient; so does fp32, through its gradient norm
+        (``step()`` treats an invalid norm as overflow when the dtype is not bf16). bf16 with the check off does
+        not: the bad values reach the parameters."""
+        return self.precision != "bf16-nocheck"
+
+    def config(self) -> Dict[str, Any]:
+        config = ds_config(stage=self.stage,
+                           dtype="fp32" if self.precision == "fp32" else "bf16",
+                           check_grad_overflow=self.precision == "bf16",
+                           grad_accum=self.grad_accum,
+                           overlap_comm=self.overlap_comm,
+                           contiguous_gradients=self.contiguous_gradients,
+                           reduce_scatter=self.reduce_scatter)
+        if self.zenflow:
+            # ZenFlow steps with its own CPU Adam (built on first use) and sets accumulation to update_interval.
+            config["zero_optimization"]["zenflow"] = {
+                "topk_ratio": 0.5,
+                "select_strategy": "step",
+                "select_interval": 2,
+                "update_interval": 2,
+                "full_warm_up_rounds": 0,
+                "overlap_step": False,
+            }
+            del config["optimizer"]["params"]["torch_adam"]
+            config["zero_force_ds_cpu_optimizer"] = True
+        return config
+
+
+def zenflow_available() -> bool:
+    """Whether the installed DeepSpeed has ZenFlow (0.17.6 and later)."""
+    import importlib.util
+    return importlib.util.find_spec("deepspeed.runtime.zenflow") is not None
+
+
+def ranks_agree_on_overflow(zero_stage: int) -> bool:
+    """Whether DeepSpeed all-reduces the offload overflow flag over data-parallel ranks at this stage.
+
+    DeepSpeed 0.17.x does so only when gradients are partitioned (ZeRO-2). Under ZeRO-1, an overflow that only one
+    rank's partition sees makes the ranks disagree, and their collectives then abort, patched or not (fixed upstream
+    in 0.18.0; the patch keeps each release's behaviour).
+    """
+    import deepspeed
+    from packaging.version import Version
+
+    from deepspeed_offload_patch.guard import release_of
+
+    return zero_stage == 2 or release_of(deepspeed.__version__) >= Version("0.18.0")
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().view(torch.uint8).clone()
+
+
+def _typed(value: Any) -> Tuple[str, Any]:
+    """``(type name, value)``; a float as its repr, so that NaN equals NaN."""
+    if torch.is_tensor(value):
+        return ("Tensor", repr(value.tolist()))
+    if isinstance(value, float):
+        return ("float", repr(value))
+    return (type(value).__name__, value)
+
+
+def _scaler_state(optimizer) -> Dict[str, Tuple[str, Any]]:
+    scaler = getattr(optimizer, "loss_scaler", None)
+    fields = vars(scaler) if scaler is not None else {}
+    state = {k: _typed(v) for k, v in sorted(fields.items()) if isinstance(v, (bool, int, float, torch.Tensor))}
+    state["loss_scale"] = _typed(optimizer.loss_scale)
+    return state
+
+
+def _params(engine) -> Dict[str, torch.Tensor]:
+    return {name: _bits(p) for name, p in engine.module.named_parameters()}
+
+
+def _record(engine, step: int) -> Dict[str, Any]:
+    optimizer = engine.optimizer
+    return {
+        "step": step,
+        "params": _params(engine),
+        "master": [_bits(t) for t in optimizer.single_partition_of_fp32_groups],
+        "nan_params": sorted(n for n, p in engine.module.named_parameters() if not torch.isfinite(p).all()),
+        "skipped": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "overflow": _typed(optimizer.overflow),
+        "scale": _scaler_state(optimizer),
+    }
+
+
+def _build(run: Run):
+    model_class = SometimesUnused if run.model == "sometimes-unused" else ManyLinear
+    return make_engine(run.num_tensors,
+                       config=run.config(),
+                       model_class=model_class,
+                       groups=run.model == "param-groups")
+
+
+def _fault_ranks(run: Run, fault: Fault) -> List[int]:
+    from deepspeed import comm as dist
+
+    if fault.rank is None or not ranks_agree_on_overflow(run.stage):
+        return list(range(dist.get_world_size()))
+    return [fault.rank]
+
+
+def poison_grad(param: torch.nn.Parameter, value: float):
+    """Put ``value`` into element 0 of ``param``'s next gradient on this rank; returns the hook handle."""
+
+    def hook(grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    return param.register_hook(hook)
+
+
+def _grad_fault(engine, run: Run, fault: Fault) -> list:
+    from deepspeed import comm as dist
+
+    if dist.get_rank() not in _fault_ranks(run, fault):
+        return []
+    params = list(engine.module.parameters())
+    if fault.rank is not None and not ranks_agree_on_overflow(run.stage):
+        targets = params  # every rank's partition must see it (see Fault)
+    else:
+        targets = [params[fault.param]]
+    return [poison_grad(p, float(fault.value)) for p in targets]
+
+
+def _set_fault(engine, run: Run, fault: Fault) -> None:
+    from deepspeed import comm as dist
+    from deepspeed.utils import safe_set_full_grad
+
+    if dist.get_rank() not in _fault_ranks(run, fault):
+        return
+    target = next(p for p in engine.module.parameters() if getattr(p, "_hp_mapping", None) is not None)
+    device = "cpu" if fault.via == "set-cpu" else engine.device
+    safe_set_full_grad(target, torch.full(target.shape, float(fault.value), dtype=torch.float32, device=device))
+
+
+def _flag(optimizer) -> Any:
+    """The overflow flag as ``step()`` will read it, as a host bool; ``"unread"`` where the check is off (there the
+    patch leaves the flag alone and unpatched DeepSpeed sets it for nothing)."""
+    if not getattr(optimizer, "check_grad_overflow", True):
+        return "unread"
+    return bool(optimizer.local_overflow)
+
+
+def _train_step(engine, run: Run, step: int) -> Any:
+    """One optimizer step: every micro-step's forward, backward and ``step()``, with this step's faults. Returns
+    the overflow flag just before the boundary ``step()``."""
+    accum = engine.gradient_accumulation_steps()
+    flag = None
+    faults = [f for f in run.faults if f.step == step]
+    for micro in range(accum):
+        boundary = micro == accum - 1
+        handles = []
+        for fault in faults:
+            if fault.via == "grad" and (accum - 1 if fault.micro is None else fault.micro) == micro:
+                handles += _grad_fault(engine, run, fault)
+        inputs = [batch(engine, step * accum + micro)]
+        if run.model == "sometimes-unused":
+            inputs.append((step + micro) % 2 == 0)
+        engine.backward(engine(*inputs))
+        for handle in handles:
+            handle.remove()
+        if boundary:
+            for fault in faults:
+                if fault.via != "grad":
+                    _set_fault(engine, run, fault)
+            flag = _flag(engine.optimizer)
+        optimizer_step(engine)
+    return flag
+
+
+def _train(run: Run, save_dir: Optional[str], load_dir: Optional[str]) -> Dict[str, Any]:
+    engine = _build(run)
+    first = 0
+    if load_dir is not None:
+        _, client = engine.load_checkpoint(load_dir, tag=CHECKPOINT_TAG)
+        first = client["next_step"]
+    trace = {"initial": _params(engine), "first": first, "steps": []}
+    for step in range(first, run.steps):
+        flag = _train_step(engine, run, step)
+        trace["steps"].append({"flag": flag, **_record(engine, step)})
+        if save_dir is not None and run.save_after == step + 1:
+            engine.save_checkpoint(save_dir, tag=CHECKPOINT_TAG, client_state={"next_step": step + 1})
+    trace["optimizer"] = type(engine.optimizer).__name__
+    destroy = getattr(engine, "destroy", None)
+    if callable(destroy):
+        destroy()
+    del engine
+    gc.collect()
+    return trace
+
+
+def method_origins() -> Dict[str, str]:
+    """The module each of the fix's two methods of ``DeepSpeedZeroOptimizer`` comes from right now."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_offload_patch.guard import METHODS
+
+    return {name: getattr(DeepSpeedZeroOptimizer.__dict__[name], "__module__", "?") for name in METHODS}
+
+
+def trace_runs(runs: Sequence[Run],
+               setup: Optional[Callable[[], None]] = None,
+               save_root: Optional[str] = None,
+               load_root: Optional[str] = None) -> Dict[str, Any]:
+    """Train ``runs`` on this rank (``deepspeed.comm`` initialized) and return their traces, by run name.
+
+    ``setup()`` runs first (after the package's import has applied the patch, or not). With ``save_root``, a run
+    with ``save_after`` saves a checkpoint under ``save_root/<run name>``. With ``load_root``, each run is also
+    resumed from ``load_root/<run name>`` and its trace from there is under ``"resumed"``.
+    """
+    import deepspeed_offload_patch
+
+    warnings.simplefilter("ignore", FutureWarning)  # torch's notes on the collectives DeepSpeed calls
+    if setup is not None:
+        setup()
+    result: Dict[str, Any] = {
+        "state": deepspeed_offload_patch.status().state,
+        "methods": method_origins(),
+        "runs": {},
+        "resumed": {}
+    }
+    for run in runs:
+        save_dir = os.path.join(save_root, run.name) if save_root and run.save_after else None
+        result["runs"][run.name] = _train(run, save_dir, None)
+        if load_root:
+            result["resumed"][run.name] = _train(run, None, os.path.join(load_root, run.name))
+    return result
+
+
+def run_side(side: str,
+             runs: Sequence[Run],
+             setup: Optional[Callable[[], None]] = None,
+             save_root: Optional[str] = None,
+             load_root: Optional[str] = None,
+             world_size: int = 2,
+             timeout: float = 900.0) -> List[Dict[str, Any]]:
+    """:func:`trace_runs` on ``world_size`` fresh ranks with the patch on (``PATCHED``) or off (``UNPATCHED``);
+    returns each rank's result. ``setup`` must pickle (a module-level function).
+
+    Raises:
+        DistributedFailure: a rank failed or hung (see :func:`~deepspeed_offload_patch.testing.launch.run_distributed`).
+    """
+    return run_distributed(trace_runs,
+                           world_size,
+                           args=(tuple(runs), setup, save_root, load_root),
+                           env=SIDE_ENV[side],
+                           timeout=timeout)
+
+
+def _step_differences(where: str, a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    found = []
+    for key in sorted(set(a) | set(b)):
+        left, right = a.get(key), b.get(key)
+        if key == "params":
+            changed = sorted(n for n in left if n not in right or not torch.equal(left[n], right[n]))
+            if changed:
+                found.append(f"{where}: parameters differ: {', '.join(changed[:4])}")
+        elif key == "master":
+            if len(left) != len(right) or any(not torch.equal(x, y) for x, y in zip(left, right)):
+                found.append(f"{where}: fp32 master partitions differ")
+        elif left != right:
+            found.append(f"{where}: {key} {left!r} != {right!r}")
+    return found
+
+
+def differences(a: Sequence[Dict[str, Any]],
+                b: Sequence[Dict[str, Any]],
+                run: str,
+                part: str = "runs",
+                b_part: Optional[str] = None,
+                from_step: int = 0) -> List[str]:
+    """Where run ``run`` differs between results ``a`` and ``b`` of :func:`run_side` (per rank, per step); empty when
+    bit-identical. ``part``/``b_part`` pick ``"runs"`` or ``"resumed"``; steps before ``from_step`` are ignored."""
+    found = []
+    for rank, (left, right) in enumerate(zip(a, b)):
+        steps_a = [s for s in left[part][run]["steps"] if s["step"] >= from_step]
+        steps_b = [s for s in right[b_part or part][run]["steps"] if s["step"] >= from_step]
+        if [s["step"] for s in steps_a] != [s["step"] for s in steps_b]:
+            found.append(f"rank {rank}: different steps recorded")
+            continue
+        for step_a, step_b in zip(steps_a, steps_b):
+            found += _step_differences(f"rank {rank}, {run}, step {step_a['step']}", step_a, step_b)
+    return found

@@ -1,0 +1,145 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Patched and unpatched DeepSpeed train bit-identically, across the ZeRO-1/2 offload configurations users run.
+
+Each run trains on 2 ranks, once in processes with the patch and once in processes without it, and every optimizer
+step's parameters, fp32 master partitions, skipped-step count, ``optimizer.overflow`` and loss scale state must be
+identical, bits and Python types (:mod:`deepspeed_offload_patch.testing.equivalence`).
+
+The configurations are a pairwise covering array, not the full product (3 x 3 x 2^5 = 288 runs): every pair of
+values of any two factors appears in at least one of the 9 runs of ``PAIRWISE``, which
+``test_the_runs_cover_every_pair`` checks. Most interactions that break code involve one or two factors; the two
+three-valued factors (precision and model) are crossed in full. Runs that skip bad steps (bf16 with the check on,
+fp32 through its gradient norm) get an inf on one rank at a boundary and a NaN on the other rank (at an inner
+micro-step where there is one); bf16 runs with the check off get a NaN in their last step, which they do not detect,
+patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run; ZenFlow keeps skipping every step after an
+overflow (patched or not), so its only fault is in its last step.
+"""
+
+import itertools
+
+import pytest
+
+from deepspeed_offload_patch import GOOD_STATES
+from deepspeed_offload_patch.testing.equivalence import (MODELS, PATCHED, PRECISIONS, UNPATCHED, Fault, Run,
+                                                         differences, run_side, zenflow_available)
+
+pytestmark = pytest.mark.equivalence
+
+STEPS = 5
+FACTORS = {
+    "precision": PRECISIONS,
+    "model": MODELS,
+    "stage": (1, 2),
+    "grad_accum": (1, 3),
+    "overlap_comm": (False, True),
+    "contiguous_gradients": (False, True),
+    "reduce_scatter": (False, True),
+}
+# precision, model, stage, grad_accum, overlap_comm, contiguous_gradients, reduce_scatter
+_ROWS = (
+    ("bf16", "plain", 1, 1, True, False, False),
+    ("bf16", "sometimes-unused", 2, 1, False, True, True),
+    ("bf16", "param-groups", 1, 3, False, True, True),
+    ("bf16-nocheck", "plain", 1, 3, False, False, True),
+    ("bf16-nocheck", "sometimes-unused", 2, 1, True, True, False),
+    ("bf16-nocheck", "param-groups", 2, 3, True, False, False),
+    ("fp32", "plain", 2, 3, True, True, True),
+    ("fp32", "sometimes-unused", 1, 3, True, False, False),
+    ("fp32", "param-groups", 1, 1, False, False, False),
+)
+
+
+def _faults(precision: str, grad_accum: int) -> tuple:
+    if precision == "bf16-nocheck":
+        return (Fault(STEPS - 1, "nan", rank=0, param=2), )
+    return (Fault(1, "inf", rank=0, param=3), Fault(3, "nan", rank=1, param=6, micro=0 if grad_accum > 1 else None))
+
+
+def _run(row) -> Run:
+    values = dict(zip(FACTORS, row))
+    name = "-".join(f"{k[:4]}={v}" for k, v in values.items())
+    return Run(name, steps=STEPS, faults=_faults(values["precision"], values["grad_accum"]), **values)
+
+
+PAIRWISE = tuple(_run(row) for row in _ROWS)
+ZENFLOW = Run("zenflow-bf16-s2", stage=2, zenflow=True, steps=STEPS, faults=(Fault(STEPS - 1, "inf", rank=0), ))
+# ZenFlow exists from DeepSpeed 0.17.6: on older releases there is no such configuration to compare.
+RUNS = PAIRWISE + ((ZENFLOW, ) if zenflow_available() else ())
+
+
+def _ignores_overflow(self, grad):
+    """A deliberately broken tracker: never records an overflow."""
+
+
+def install_broken_tracker() -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    DeepSpeedZeroOptimizer.update_offload_overflow_tracker = _ignores_overflow
+
+
+@pytest.fixture(scope="module")
+def sides():
+    """Every run, trained in patched processes and in unpatched ones."""
+    return {side: run_side(side, RUNS) for side in (PATCHED, UNPATCHED)}
+
+
+def test_the_runs_cover_every_pair():
+    for (a, values_a), (b, values_b) in itertools.combinations(FACTORS.items(), 2):
+        seen = {(getattr(run, a), getattr(run, b)) for run in PAIRWISE}
+        missing = set(itertools.product(values_a, values_b)) - seen
+        assert not missing, f"no run has {a}, {b} = {sorted(missing, key=str)}"
+
+
+def test_each_side_runs_the_code_it_claims(sides):
+    for rank in sides[PATCHED]:
+        assert rank["state"] in GOOD_STATES, rank["state"]
+    for rank in sides[UNPATCHED]:
+        assert rank["state"] == "disabled", rank["state"]
+        assert set(rank["methods"].values()) == {"deepspeed.runtime.zero.stage_1_and_2"}, rank["methods"]
+    if sides[PATCHED][0]["state"] == "applied":
+        assert set(sides[PATCHED][0]["methods"].values()) == {"deepspeed_offload_patch.overflow"}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_patched_and_unpatched_train_the_same_bits(sides, run):
+    found = differences(sides[PATCHED], sides[UNPATCHED], run.name)
+    assert not found, "\n".join(found[:10])
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
+def test_the_faults_did_what_they_should(sides, run):
+    """Not a vacuous comparison: runs that skip bad steps skipped exactly their faulty steps, the others trained
+    through them and their parameters hold the NaN."""
+    fault_steps = sorted({fault.step for fault in run.faults})
+    for rank in sides[PATCHED]:
+        steps = rank["runs"][run.name]["steps"]
+        if run.skips_bad_steps:
+            counts = [0] + [s["skipped"] for s in steps]
+            skipped = [s["step"] for s, before in zip(steps, counts) if s["skipped"] > before]
+            assert skipped == fault_steps, f"{run.name}: skipped {skipped}, faults at {fault_steps}"
+            assert all(not s["nan_params"] for s in steps)
+        else:
+            assert steps[-1]["skipped"] == 0
+            assert steps[-1]["nan_params"], f"{run.name}: the NaN at the last step should reach the parameters"
+
+
+def test_a_tracker_that_ignores_overflow_is_caught(sides):
+    """The comparison can fail: a patch whose tracker ignores overflow differs from unpatched DeepSpeed.
+
+    The flag before ``step()`` shows it on every release. Before 0.19.8 the step then trains on the bad gradient
+    (skip counts and parameters differ too); 0.19.8 also treats an invalid gradient norm as overflow, which still
+    skips the step when the tracker misses it.
+    """
+    import deepspeed
+    from packaging.version import Version
+
+    from deepspeed_offload_patch.guard import release_of
+
+    run = PAIRWISE[0]
+    broken = run_side(PATCHED, [run], setup=install_broken_tracker)
+    assert broken[0]["methods"]["update_offload_overflow_tracker"] == __name__
+    found = differences(broken, sides[UNPATCHED], run.name)
+    assert any(": flag False != True" in line for line in found), found
+    if release_of(deepspeed.__version__) < Version("0.19.8"):
+        assert any("skipped" in line for line in found), found
+        assert any("parameters differ" in line for line in found), found

@@ -1,0 +1,110 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Live engines under misuse: ``revert()`` in the middle of an accumulation, and optimizer subclasses that override
+one of the two patched methods. Training stays correct: bad steps are skipped on every rank, the others train."""
+
+import pytest
+import torch
+
+import deepspeed_offload_patch
+from deepspeed import comm as dist
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed_offload_patch.testing.equivalence import poison_grad, ranks_agree_on_overflow
+from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
+from unit.common import DistributedTest
+
+NUM_TENSORS = 12
+ORIGINAL_MODULE = DeepSpeedZeroOptimizer.__module__
+
+
+def _step(engine, step: int, bad: bool = False) -> None:
+    """One optimizer step of 2 micro-steps; with ``bad``, a NaN in one gradient on rank 1 at the boundary (on every
+    parameter of every rank where DeepSpeed does not all-reduce the flag over ranks)."""
+    _backward(engine, step, bad)
+    optimizer_step(engine)
+
+
+def _backward(engine, step: int, bad: bool) -> None:
+    """The micro-steps of one optimizer step, up to and including the boundary backward (not its step())."""
+    for micro in range(2):
+        handles = []
+        if bad and micro == 1:
+            stage = engine.zero_optimization_stage()
+            agree = ranks_agree_on_overflow(stage)
+            if not agree or dist.get_rank() == 1:
+                params = [engine.module.layers[2].weight] if agree else list(engine.module.parameters())
+                handles = [poison_grad(p, float("nan")) for p in params]
+        engine.backward(engine(batch(engine, 10 * step + micro)))
+        for handle in handles:
+            handle.remove()
+        if micro == 0:
+            optimizer_step(engine)
+
+
+def _assert_trains(engine, step: int, bad: bool) -> None:
+    before, skipped = params_snapshot(engine), engine.skipped_steps
+    _step(engine, step, bad)
+    changed = any(not torch.equal(v, before[k]) for k, v in params_snapshot(engine).items())
+    assert engine.skipped_steps == skipped + bad, f"rank {dist.get_rank()}, step {step}: skipped {engine.skipped_steps}"
+    assert changed != bad, f"rank {dist.get_rank()}, step {step}: parameters {'changed' if changed else 'unchanged'}"
+
+
+class TestRevertWithLiveEngines(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("bad", [False, True])
+    def test_revert_between_backward_and_step(self, bad):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=2, grad_accum=2))
+        _step(engine, 0)
+        _backward(engine, 1, bad)
+        # The patched tracker left a device flag; revert() must hand the originals a flag they read correctly.
+        assert torch.is_tensor(engine.optimizer.local_overflow), "the patch is not active"
+        assert deepspeed_offload_patch.revert().state == "reverted"
+        assert {
+            DeepSpeedZeroOptimizer.has_overflow.__module__,
+            DeepSpeedZeroOptimizer.update_offload_overflow_tracker.__module__
+        } == {ORIGINAL_MODULE}
+        # Converted to the Python bool DeepSpeed's methods keep there; only the ranks whose partition saw the NaN
+        # have True.
+        flag = engine.optimizer.local_overflow
+        assert type(flag) is bool, repr(flag)
+        any_rank = torch.tensor([float(flag)])
+        dist.all_reduce(any_rank, op=dist.ReduceOp.MAX)
+        assert bool(any_rank.item()) is bad
+        before, skipped = params_snapshot(engine), engine.skipped_steps
+        optimizer_step(engine)
+        assert engine.skipped_steps == skipped + bad
+        assert any(not torch.equal(v, before[k]) for k, v in params_snapshot(engine).items()) != bad
+        # Then it trains on with DeepSpeed's own methods: a bad step is skipped, the next one trains.
+        _assert_trains(engine, 2, bad=True)
+        _assert_trains(engine, 3, bad=False)
+
+
+class OwnTracker(DeepSpeedZeroOptimizer):
+    """Overrides the tracker with DeepSpeed's old behaviour (a Python bool); the patch's has_overflow reads it."""
+
+    def update_offload_overflow_tracker(self, grad):
+        if grad is not None and self._has_inf_or_nan(grad.data):
+            self.local_overflow = True
+
+
+class OwnHasOverflow(DeepSpeedZeroOptimizer):
+    """Overrides has_overflow and reads the flag its own way; the patch's tracker leaves it a device tensor."""
+
+    def has_overflow(self, partition_gradients=True):
+        flag = torch.tensor([float(self.local_overflow)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+        return bool(flag.item())
+
+
+class TestSubclassOverridingOneMethod(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("zero_stage", [1, 2])
+    @pytest.mark.parametrize("subclass", [OwnTracker, OwnHasOverflow], ids=lambda cls: cls.__name__)
+    def test_trains_correctly(self, subclass, zero_stage):
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
+        engine.optimizer.__class__ = subclass
+        for step, bad in enumerate([False, True, True, False]):
+            _assert_trains(engine, step, bad)
