@@ -28,8 +28,8 @@ from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused,
                                                     optimizer_step)
 
 __all__ = [
-    "PATCHED", "UNPATCHED", "Fault", "Run", "differences", "poison_grad", "ranks_agree_on_overflow", "run_side",
-    "trace_runs", "zenflow_available"
+    "PATCHED", "UNPATCHED", "Fault", "Run", "differences", "invalid_norm_skips_step", "poison_grad",
+    "ranks_agree_on_overflow", "run_side", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
@@ -108,10 +108,12 @@ class Run:
 
     @property
     def skips_bad_steps(self) -> bool:
-        """bf16 with the check on skips a step with an inf/NaN gradient; so does fp32, through its gradient norm
-        (``step()`` treats an invalid norm as overflow when the dtype is not bf16). bf16 with the check off does
-        not: the bad values reach the parameters."""
-        return self.precision != "bf16-nocheck"
+        """Whether DeepSpeed skips a step with an inf/NaN gradient here, patched or not: bf16 with the check on
+        does; bf16 with it off does not (the bad values reach the parameters); fp32 runs with the check off and
+        skips only where :func:`invalid_norm_skips_step` (0.19.8 and later)."""
+        if self.precision == "fp32" and not self.zenflow:
+            return invalid_norm_skips_step()
+        return self.precision == "bf16"
 
     def config(self) -> Dict[str, Any]:
         config = ds_config(stage=self.stage,
@@ -134,6 +136,18 @@ class Run:
             del config["optimizer"]["params"]["torch_adam"]
             config["zero_force_ds_cpu_optimizer"] = True
         return config
+
+
+def invalid_norm_skips_step() -> bool:
+    """Whether the installed DeepSpeed's ``step()`` also treats an inf/NaN gradient norm as overflow when the dtype
+    is not bf16 or the check is on (DeepSpeed 0.19.8 and later). There a tracker that misses an overflow still
+    skips the step."""
+    import deepspeed
+    from packaging.version import Version
+
+    from deepspeed_offload_patch.guard import release_of
+
+    return release_of(deepspeed.__version__) >= Version("0.19.8")
 
 
 def zenflow_available() -> bool:
