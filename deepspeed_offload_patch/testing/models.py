@@ -75,6 +75,8 @@ def ds_config(stage: int = 2,
             **zero_options
         },
         "zero_force_ds_cpu_optimizer": False,
+        # torch's Adam under ZeRO: releases before 0.19 call it untested in fp32 unless allowed.
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
     if dtype == "bf16":
