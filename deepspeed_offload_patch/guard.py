@@ -76,8 +76,9 @@ def fingerprint(func: Callable) -> Optional[str]:
         return None
 
 
-def _replacements(name: str):
-    """``((release range, function), ...)``: the replacements of method ``name``."""
+def replacements(name: str) -> Tuple[Tuple[str, Callable], ...]:
+    """``((release range, function), ...)``: the replacements of method ``name`` (empty for a method the package
+    does not replace)."""
     for patch_set in PATCH_SETS:
         if name in patch_set.methods:
             return importlib.import_module(patch_set.module).REPLACEMENTS[name]
@@ -90,7 +91,7 @@ def replacement_for(name: str, digest: Optional[str]) -> Optional[Callable]:
     releases = UNFIXED.get(name, {}).get(digest)
     if not releases:
         return None
-    for spec, func in _replacements(name):
+    for spec, func in replacements(name):
         if all(SpecifierSet(spec).contains(v) for v in releases):
             return func
     return None
@@ -123,12 +124,12 @@ def classify_method(cls: type, name: str) -> Tuple[str, Optional[Callable]]:
     func = cls.__dict__.get(name)
     if func is None:
         return MISSING, None
-    if any(func is ours for _, ours in _replacements(name)):
+    if any(func is ours for _, ours in replacements(name)):
         return OURS, None
     if not _defined_in(func, cls):
         return FOREIGN, None
     digest = fingerprint(func)
-    if digest is not None and any(digest == fingerprint(ours) for _, ours in _replacements(name)):
+    if digest is not None and any(digest == fingerprint(ours) for _, ours in replacements(name)):
         return FIXED, None
     replacement = replacement_for(name, digest)
     return (PATCHABLE, replacement) if replacement is not None else (MISMATCH, None)

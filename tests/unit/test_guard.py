@@ -19,7 +19,7 @@ def test_every_recorded_form_has_exactly_one_replacement():
         for digest, releases in forms.items():
             assert guard.replacement_for(name, digest) is not None, (name, releases)
             matching = [
-                spec for spec, _ in guard._replacements(name) if all(
+                spec for spec, _ in guard.replacements(name) if all(
                     guard.SpecifierSet(spec).contains(v) for v in releases)
             ]
             assert len(matching) == 1, (name, releases, matching)
