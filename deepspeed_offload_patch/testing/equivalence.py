@@ -230,7 +230,7 @@ def poison_grad(param: torch.nn.Parameter, value: float):
     """Put ``value`` into element 0 of ``param``'s next gradient on this rank; returns the hook handle."""
 
     def hook(grad):
-        grad = grad.clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # some releases hand over strided gradients
         grad.view(-1)[0] = value
         return grad
 

@@ -12,8 +12,9 @@ values of any two factors appears in at least one of the 9 runs of ``PAIRWISE``,
 three-valued factors (precision and model) are crossed in full. Runs that skip bad steps (bf16 with the check on;
 fp32 from 0.19.8, through its gradient norm) get an inf on one rank at a boundary and a NaN on the other rank (at an
 inner micro-step where there is one); bf16 runs with the check off get a NaN in their last step, which they do not
-detect, patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run; ZenFlow keeps skipping every step after
-an overflow (patched or not), so its only fault is in its last step.
+detect, patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run. ZenFlow skips steps of its own on the
+CPU, patched or not (after an overflow on 0.19.8; on 0.18.x its parameters go to NaN and it skips from the second
+step), so its only fault is in its last step, which must be skipped.
 """
 
 import itertools
@@ -117,8 +118,13 @@ def test_the_faults_did_what_they_should(sides, run):
         if run.skips_bad_steps:
             counts = [0] + [s["skipped"] for s in steps]
             skipped = [s["step"] for s, before in zip(steps, counts) if s["skipped"] > before]
-            assert skipped == fault_steps, f"{run.name}: skipped {skipped}, faults at {fault_steps}"
-            assert all(not s["nan_params"] for s in steps)
+            if run.zenflow:
+                # ZenFlow also skips steps of its own on the CPU, patched or not (on 0.18.x its parameters go to NaN
+                # and it skips every step after the first): its faulty step must be among them.
+                assert set(fault_steps) <= set(skipped), f"{run.name}: skipped {skipped}, faults at {fault_steps}"
+            else:
+                assert skipped == fault_steps, f"{run.name}: skipped {skipped}, faults at {fault_steps}"
+                assert all(not s["nan_params"] for s in steps)
         else:
             assert steps[-1]["skipped"] == 0
             assert steps[-1]["nan_params"], f"{run.name}: the NaN at the last step should reach the parameters"
