@@ -28,8 +28,8 @@ from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused,
                                                     optimizer_step)
 
 __all__ = [
-    "PATCHED", "UNPATCHED", "Fault", "Run", "differences", "invalid_norm_skips_step", "poison_grad",
-    "ranks_agree_on_overflow", "run_side", "trace_runs", "zenflow_available"
+    "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "differences", "invalid_norm_skips_step",
+    "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
@@ -237,17 +237,43 @@ def poison_grad(param: torch.nn.Parameter, value: float):
     return param.register_hook(hook)
 
 
+def poison_plan(engine, zero_stage: int, param: torch.nn.Parameter, rank: int) -> Tuple[list, List[int]]:
+    """``(parameters, ranks)`` for a bad value in ``param`` on ``rank``: that alone where the ranks agree on overflow
+    (:func:`ranks_agree_on_overflow`); otherwise every parameter on every rank, so that every rank's partition sees a
+    bad value."""
+    from deepspeed import comm as dist
+
+    if ranks_agree_on_overflow(zero_stage):
+        return [param], [rank]
+    return list(engine.module.parameters()), list(range(dist.get_world_size()))
+
+
+def backward_to_boundary(engine, step: int, poison=(), ranks=(), value: float = float("inf")) -> None:
+    """The micro-steps of optimizer step ``step`` (inputs by :func:`batch`), each but the last followed by
+    ``step()``, up to and including the boundary backward; there the gradients of the ``poison`` parameters get
+    ``value`` on ``ranks``. The caller steps (or inspects the flag first)."""
+    from deepspeed import comm as dist
+
+    accum = engine.gradient_accumulation_steps()
+    for micro in range(accum):
+        boundary = micro == accum - 1
+        handles = [poison_grad(p, value) for p in poison] if boundary and dist.get_rank() in ranks else []
+        engine.backward(engine(batch(engine, step * 10 + micro)))
+        for handle in handles:
+            handle.remove()
+        if not boundary:
+            optimizer_step(engine)
+
+
 def _grad_fault(engine, run: Run, fault: Fault) -> list:
     from deepspeed import comm as dist
 
-    if dist.get_rank() not in _fault_ranks(run, fault):
-        return []
-    params = list(engine.module.parameters())
-    if fault.rank is not None and not ranks_agree_on_overflow(run.stage):
-        targets = params  # every rank's partition must see it (see Fault)
+    param = list(engine.module.parameters())[fault.param]
+    if fault.rank is None:
+        targets, ranks = [param], list(range(dist.get_world_size()))
     else:
-        targets = [params[fault.param]]
-    return [poison_grad(p, float(fault.value)) for p in targets]
+        targets, ranks = poison_plan(engine, run.stage, param, fault.rank)
+    return [poison_grad(p, float(fault.value)) for p in targets] if dist.get_rank() in ranks else []
 
 
 def _set_fault(engine, run: Run, fault: Fault) -> None:

@@ -9,8 +9,8 @@ import torch
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed_offload_patch.testing.equivalence import poison_grad, ranks_agree_on_overflow
-from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
+from deepspeed_offload_patch.testing.equivalence import backward_to_boundary, poison_plan
+from deepspeed_offload_patch.testing.models import ds_config, make_engine, optimizer_step, params_snapshot
 from unit.common import DistributedTest
 
 NUM_TENSORS = 12
@@ -26,19 +26,9 @@ def _step(engine, step: int, bad: bool = False) -> None:
 
 def _backward(engine, step: int, bad: bool) -> None:
     """The micro-steps of one optimizer step, up to and including the boundary backward (not its step())."""
-    for micro in range(2):
-        handles = []
-        if bad and micro == 1:
-            stage = engine.zero_optimization_stage()
-            agree = ranks_agree_on_overflow(stage)
-            if not agree or dist.get_rank() == 1:
-                params = [engine.module.layers[2].weight] if agree else list(engine.module.parameters())
-                handles = [poison_grad(p, float("nan")) for p in params]
-        engine.backward(engine(batch(engine, 10 * step + micro)))
-        for handle in handles:
-            handle.remove()
-        if micro == 0:
-            optimizer_step(engine)
+    poison, ranks = poison_plan(engine, engine.zero_optimization_stage(), engine.module.layers[2].weight,
+                                1) if bad else ((), ())
+    backward_to_boundary(engine, step, poison, ranks, value=float("nan"))
 
 
 def _assert_trains(engine, step: int, bad: bool) -> None:

@@ -14,7 +14,7 @@ import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFL
 from deepspeed import comm as dist
 from deepspeed.utils import safe_set_full_grad
 from deepspeed_offload_patch.testing import RaisingBoolTensor
-from deepspeed_offload_patch.testing.equivalence import poison_grad, ranks_agree_on_overflow
+from deepspeed_offload_patch.testing.equivalence import backward_to_boundary, poison_plan, ranks_agree_on_overflow
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 from unit.common import DistributedTest
 
@@ -22,33 +22,9 @@ NUM_TENSORS = 16
 
 
 def _holds_first_element(optimizer, param) -> bool:
-    """Whether this rank's partition holds ``param``'s first element (where _poison_grad puts the bad value)."""
+    """Whether this rank's partition holds ``param``'s first element (where poison_grad puts the bad value)."""
     position = optimizer.grad_position.get(optimizer.get_param_id(param))
     return position is not None and position[1] == 0
-
-
-def _poison_plan(engine, zero_stage: int, param, rank: int):
-    """``(parameters, ranks)``: ``param`` on ``rank`` alone where the ranks agree on overflow; otherwise every
-    parameter on every rank, so that every rank's partition sees a bad value."""
-    if ranks_agree_on_overflow(zero_stage):
-        return [param], [rank]
-    return list(engine.module.parameters()), list(range(dist.get_world_size()))
-
-
-def _train_step(engine, step: int, poison=(), ranks_to_poison=(), value=float("inf")) -> None:
-    """One optimizer step (all micro-steps) up to the boundary backward; at the boundary micro-step, the gradients
-    of the ``poison`` parameters get ``value`` on ``ranks_to_poison``."""
-    for micro in range(engine.gradient_accumulation_steps()):
-        handles = []
-        boundary = micro == engine.gradient_accumulation_steps() - 1
-        if boundary and dist.get_rank() in ranks_to_poison:
-            handles = [poison_grad(param, value) for param in poison]
-        engine.backward(engine(batch(engine, step * 10 + micro)))
-        for handle in handles:
-            handle.remove()
-        if boundary:
-            return
-        optimizer_step(engine)
 
 
 def _assert_skipped_and_unchanged(engine, before, skipped: int) -> None:
@@ -70,9 +46,9 @@ class TestOffloadOverflowFlag(DistributedTest):
         check = optimizer._has_inf_or_nan
         # Every result of the check becomes a tensor whose truth value raises: an `if` on it fails the test.
         optimizer._has_inf_or_nan = lambda x, j=None: RaisingBoolTensor.wrap(check(x, j))
-        params, ranks = _poison_plan(engine, zero_stage, engine.module.layers[3].weight, 0)
+        params, ranks = poison_plan(engine, zero_stage, engine.module.layers[3].weight, 0)
 
-        _train_step(engine, 0, params, ranks, value=float("inf"))
+        backward_to_boundary(engine, 0, params, ranks, value=float("inf"))
         flag = optimizer.local_overflow
         assert isinstance(flag, RaisingBoolTensor) and flag.dtype == torch.bool, type(flag)
         assert RaisingBoolTensor.plain(flag).item() == any(_holds_first_element(optimizer, p) for p in params)
@@ -80,7 +56,7 @@ class TestOffloadOverflowFlag(DistributedTest):
         assert engine.skipped_steps == 1
         assert optimizer.local_overflow is False, "the flag is reset after the step"
 
-        _train_step(engine, 1)
+        backward_to_boundary(engine, 1)
         assert not RaisingBoolTensor.plain(optimizer.local_overflow).item()
         optimizer_step(engine)
         assert engine.skipped_steps == 1 and optimizer.local_overflow is False
@@ -103,18 +79,18 @@ class TestOffloadOverflowFlag(DistributedTest):
     @pytest.mark.parametrize("zero_stage", [1, 2])
     def test_nan_skips_step_on_every_rank(self, zero_stage):
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
-        _train_step(engine, 0)
+        backward_to_boundary(engine, 0)
         optimizer_step(engine)
         before = params_snapshot(engine)
 
         # NaN in one parameter's gradient on rank 1 only: both ranks skip, nothing changes.
-        params, ranks = _poison_plan(engine, zero_stage, engine.module.layers[5].bias, 1)
-        _train_step(engine, 1, params, ranks, value=float("nan"))
+        params, ranks = poison_plan(engine, zero_stage, engine.module.layers[5].bias, 1)
+        backward_to_boundary(engine, 1, params, ranks, value=float("nan"))
         optimizer_step(engine)
         _assert_skipped_and_unchanged(engine, before, skipped=1)
 
         # The flag was reset: the next step trains.
-        _train_step(engine, 2)
+        backward_to_boundary(engine, 2)
         optimizer_step(engine)
         assert engine.skipped_steps == 1
         assert any(not torch.equal(value, before[name]) for name, value in params_snapshot(engine).items())
@@ -123,11 +99,11 @@ class TestOffloadOverflowFlag(DistributedTest):
     def test_nan_through_safe_set_full_grad(self, zero_stage):
         # Also with a CPU value on an accelerator: the flag lives on the accelerator and takes the CPU result.
         engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage))
-        _train_step(engine, 0)
+        backward_to_boundary(engine, 0)
         optimizer_step(engine)
         before = params_snapshot(engine)
 
-        _train_step(engine, 1)
+        backward_to_boundary(engine, 1)
         # One rank sets, as a CPU tensor, a full gradient with one NaN for a parameter whose partition it holds.
         setter = 0 if ranks_agree_on_overflow(zero_stage) else dist.get_rank()
         if dist.get_rank() == setter:
@@ -152,7 +128,7 @@ class TestOffloadOverflowFlag(DistributedTest):
 
         optimizer._has_inf_or_nan = counting_check
         before = params_snapshot(engine)
-        _train_step(engine, 0)
+        backward_to_boundary(engine, 0)
         optimizer_step(engine)
         assert calls == [], f"rank {dist.get_rank()}: {len(calls)} gradients checked with the check off"
         assert engine.skipped_steps == 0
