@@ -3,7 +3,7 @@
 """Generate ``deepspeed_offload_patch/fingerprints.py`` from the DeepSpeed releases' own sources.
 
 For each release it takes ``deepspeed/runtime/zero/stage_1_and_2.py`` out of the release's sdist (downloaded with
-``pip download`` into ``--sdists`` unless already there), fingerprints the two methods the patch replaces with the
+``pip download`` into ``--sdists`` unless already there), fingerprints the methods the patch sets replace with the
 same function the guard uses at run time, and writes the table (formatted by yapf). ``--check`` writes nothing and
 exits 1 when the recorded table differs from what the sources give.
 
@@ -23,7 +23,9 @@ import tarfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from deepspeed_offload_patch.guard import ALL_METHODS, fingerprint_source  # noqa: E402
+from packaging.specifiers import SpecifierSet  # noqa: E402
+
+from deepspeed_offload_patch.guard import ALL_METHODS, PATCH_SETS, fingerprint_source  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 
 TARGET = "deepspeed/runtime/zero/stage_1_and_2.py"
@@ -70,10 +72,15 @@ def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZ
 
 
 def table(sdists: str, versions) -> dict:
+    """Each method's forms: for every patch set, the methods of each release in the set's range."""
     result = {name: {} for name in ALL_METHODS}
     for version in versions:
         sources = method_sources(read_target(sdist_path(sdists, version), version))
-        for name in ALL_METHODS:
+        names = [
+            name for patch_set in PATCH_SETS if SpecifierSet(patch_set.releases).contains(version)
+            for name in patch_set.methods
+        ]
+        for name in dict.fromkeys(names):
             digest = fingerprint_source(sources[name])
             result[name].setdefault(digest, []).append(version)
     return {name: {digest: tuple(vs) for digest, vs in digests.items()} for name, digests in result.items()}

@@ -21,32 +21,56 @@ from packaging.version import InvalidVersion, Version
 from deepspeed_offload_patch.fingerprints import UNFIXED
 from deepspeed_offload_patch.releases import PATCHED_RELEASES
 
-#: The releases the replacements were checked against. Compared on the release part of the version, so a local build
-#: of a release (``0.19.8+abc``) counts as that release.
-SUPPORTED = SpecifierSet(f">={PATCHED_RELEASES[0]},<={PATCHED_RELEASES[-1]}")
+#: The releases the replacements were checked against (every release between the two ends). Compared on the release
+#: part of the version, so a local build of a release (``0.19.8+abc``) counts as that release.
+FIRST, LAST = PATCHED_RELEASES[0], PATCHED_RELEASES[-1]
+#: Why the line falls at ``FIRST``: said in the reason when an older DeepSpeed is found.
+OLDER_REASON = ("releases before 0.14.0 do not import with a current torch (they need torch 2.2 or older), and "
+                "before 0.13.3 the overflow check itself reads the host, which this fix does not change")
 
 
 @dataclass(frozen=True)
 class PatchSet:
-    """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, and the module of their replacements."""
+    """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, the module of their replacements, and the
+    releases whose methods have these names (``releases``, a version specifier)."""
 
     name: str
     module: str
     methods: Tuple[str, ...]
+    releases: str = ""
 
 
-#: The fix itself (DeepSpeed pull request 8963), applied by default.
+#: The fix itself (DeepSpeed pull request 8963), applied by default, from DeepSpeed 0.17.1 on.
 OVERFLOW_FLAG = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
-                         ("update_offload_overflow_tracker", "has_overflow"))
+                         ("update_offload_overflow_tracker", "has_overflow"), ">=0.17.1")
+#: The same fix for DeepSpeed 0.14.0 to 0.17.0, whose tracker is ``update_overflow_tracker_for_param_grad(param)``.
+OVERFLOW_FLAG_PER_PARAM = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
+                                   ("update_overflow_tracker_for_param_grad", "has_overflow"), ">=0.14.0,<0.17.1")
 #: Opt-in: the offload gradient norm summed on the device.
 GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
-                     ("complete_grad_norm_calculation_for_cpu_offload", ))
-PATCH_SETS = (OVERFLOW_FLAG, GRAD_NORM)
+                     ("complete_grad_norm_calculation_for_cpu_offload", ), ">=0.17.1")
+FIX_FORMS = (OVERFLOW_FLAG, OVERFLOW_FLAG_PER_PARAM)
+PATCH_SETS = FIX_FORMS + (GRAD_NORM, )
 
-#: The methods the default patch replaces.
+#: The methods the default patch replaces, in its current form (DeepSpeed 0.17.1 and later).
 METHODS = OVERFLOW_FLAG.methods
 #: Every method some patch set replaces (the fingerprint table covers them all).
-ALL_METHODS = tuple(name for patch_set in PATCH_SETS for name in patch_set.methods)
+ALL_METHODS = tuple(dict.fromkeys(name for patch_set in PATCH_SETS for name in patch_set.methods))
+
+
+def fix_for(cls: type) -> PatchSet:
+    """The form of the fix that goes with ``cls``: the one whose tracker ``cls`` defines (the current form when it
+    defines neither, so that the guard reports the current tracker as missing)."""
+    for patch_set in FIX_FORMS:
+        if patch_set.methods[0] in cls.__dict__:
+            return patch_set
+    return OVERFLOW_FLAG
+
+
+def fix_methods(cls: type) -> Tuple[str, ...]:
+    """The names of the fix's two methods on ``cls``: its tracker and ``has_overflow``."""
+    return fix_for(cls).methods
+
 
 # Per-method findings, reported by status().
 PATCHABLE = "patchable"  # DeepSpeed's own unfixed code, in a form with a known fingerprint
@@ -106,8 +130,16 @@ def release_of(version: str) -> Optional[Version]:
 
 
 def in_supported_range(version: str) -> bool:
+    """Whether ``version`` is one of the releases tested, ``FIRST`` to ``LAST`` (a local build counts as its
+    release)."""
     release = release_of(version)
-    return release is not None and SUPPORTED.contains(release, prereleases=True)
+    return release is not None and Version(FIRST) <= release <= Version(LAST)
+
+
+def newer_than_tested(version: str) -> bool:
+    """Whether ``version`` is past the last release tested: a later release, or a dev or local build of one."""
+    release = release_of(version)
+    return release is not None and release > Version(LAST)
 
 
 def _defined_in(func: Callable, cls: type) -> bool:
@@ -120,7 +152,12 @@ def _defined_in(func: Callable, cls: type) -> bool:
 
 
 def classify_method(cls: type, name: str) -> Tuple[str, Optional[Callable]]:
-    """Classify ``cls.<name>``; for PATCHABLE, also return the replacement that goes with its form."""
+    """Classify ``cls.<name>``; for PATCHABLE, also return the replacement that goes with its form.
+
+    DeepSpeed's own code is PATCHABLE when its fingerprint is a known unfixed form, FIXED when it is this package's
+    replacement or, for the tracker ``update_offload_overflow_tracker``, when :func:`probe_tracker` finds that it
+    behaves as fixed (so an upstream fix in its own words counts), and MISMATCH otherwise.
+    """
     func = cls.__dict__.get(name)
     if func is None:
         return MISSING, None
@@ -132,7 +169,67 @@ def classify_method(cls: type, name: str) -> Tuple[str, Optional[Callable]]:
     if digest is not None and any(digest == fingerprint(ours) for _, ours in replacements(name)):
         return FIXED, None
     replacement = replacement_for(name, digest)
-    return (PATCHABLE, replacement) if replacement is not None else (MISMATCH, None)
+    if replacement is not None:
+        return PATCHABLE, replacement
+    if name == OVERFLOW_FLAG.methods[0] and probe_tracker(cls) is None:
+        return FIXED, None
+    return MISMATCH, None
+
+
+def probe_tracker(cls: type) -> Optional[str]:
+    """Try ``cls.update_offload_overflow_tracker`` on bare instances (built without ``__init__``); None when it
+    behaves as fixed, else what it did.
+
+    Fixed means: with ``check_grad_overflow`` off it checks nothing and leaves the flag alone; with it on, fed check
+    results whose truth value raises (:class:`~deepspeed_offload_patch.testing.RaisingBoolTensor`), it reads nothing
+    on the host (counted at the dispatcher) and leaves a tensor flag that is true exactly when a result was. Every
+    tensor stays on the CPU (device arguments are mapped to it), so probing touches no accelerator. Any exception
+    counts as not fixed. Only code that matches no known form is probed.
+    """
+    import torch
+
+    from deepspeed_offload_patch.testing import RaisingBoolTensor, count_host_syncs, on_the_cpu
+
+    tracker = cls.__dict__[OVERFLOW_FLAG.methods[0]]
+    calls = []
+
+    def check(x, j=None):
+        calls.append(x)
+        return RaisingBoolTensor.wrap(x.float().isinf().logical_or(x.float().isnan()).any())
+
+    def bare(check_on: bool):
+        optimizer = cls.__new__(cls)
+        optimizer.check_grad_overflow = check_on
+        optimizer.cpu_offload = True
+        optimizer.local_overflow = False
+        optimizer._has_inf_or_nan = check
+        return optimizer
+
+    bad = torch.tensor([1.0, float("inf")])
+    try:
+        with on_the_cpu(), count_host_syncs() as syncs:
+            off = bare(False)
+            tracker(off, bad)
+            if calls or off.local_overflow is not False:
+                return "checks gradients with check_grad_overflow off"
+            clean, flagged = bare(True), bare(True)
+            for grad in (torch.ones(3), torch.zeros(2)):
+                tracker(clean, grad)
+            for grad in (torch.ones(3), bad, torch.zeros(2)):
+                tracker(flagged, grad)
+        if syncs.total:
+            return f"reads device values on the host: {dict(syncs.counts)}"
+        flags = [
+            RaisingBoolTensor.plain(o.local_overflow) if torch.is_tensor(o.local_overflow) else o.local_overflow
+            for o in (clean, flagged)
+        ]
+        if not all(torch.is_tensor(flag) and flag.numel() == 1 for flag in flags):
+            return f"keeps the flag on the host ({type(flags[1]).__name__})"
+        if flags[0].item() or not flags[1].item():
+            return "the flag does not record exactly the overflows"
+    except Exception as exc:  # unknown code: whatever it does wrong, it is not the fixed form
+        return f"raised {type(exc).__name__}: {exc}"
+    return None
 
 
 @dataclass
@@ -146,38 +243,50 @@ class Decision:
     replacements: Dict[str, Callable] = field(default_factory=dict)
 
 
-def inspect_target(cls: type, version: str, patch_set: PatchSet = OVERFLOW_FLAG) -> Decision:
-    """Decide what to do with ``patch_set``'s methods of ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed
-    ``version``.
+def _releases_text(releases: Tuple[str, ...]) -> str:
+    return releases[0] if len(releases) == 1 else f"{releases[0]} to {releases[-1]}"
 
-    Order matters: a class already fixed upstream is ``upstream-fixed`` whatever its version; a method that someone
-    else replaced makes a ``conflict`` (never clobbered); then the version range and the fingerprints must agree.
+
+def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None) -> Decision:
+    """Decide what to do with ``patch_set``'s methods of ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed
+    ``version``; by default, the fix in the form that ``cls`` has (:func:`fix_for`).
+
+    Order matters: a class already fixed upstream is ``upstream-fixed`` whatever its version (its tracker is our
+    replacement's text or behaves as fixed); a method that someone else replaced makes a ``conflict`` (never
+    clobbered); a release older than ``FIRST`` is ``unsupported``; then every method must be a known unfixed form.
+    A release newer than ``LAST`` whose methods are known unfixed forms is patched, and the reason says so.
     """
+    patch_set = patch_set or fix_for(cls)
     found = {name: classify_method(cls, name) for name in patch_set.methods}
     methods = {name: result for name, (result, _) in found.items()}
     results = set(methods.values())
     if results == {OURS}:
         return Decision("applied", f"DeepSpeed {version}: already applied", methods)
-    if results == {FIXED}:
+    foreign = [name for name, result in methods.items() if result == FOREIGN]
+    if results == {FIXED} or (methods[patch_set.methods[0]] == FIXED and not foreign):
         return Decision("upstream-fixed", f"DeepSpeed {version} already has the fixed form of {patch_set.name}",
                         methods)
-    foreign = [name for name, result in methods.items() if result == FOREIGN]
     if foreign:
         owners = ", ".join(f"{name} (now {_owner(cls.__dict__[name])})" for name in foreign)
         return Decision("conflict", f"{cls.__name__} methods already replaced by another patch: {owners}", methods)
-    if not in_supported_range(version):
-        return Decision(
-            "unsupported", f"DeepSpeed {version} is outside the supported releases "
-            f"{PATCHED_RELEASES[0]} to {PATCHED_RELEASES[-1]}", methods)
+    release = release_of(version)
+    if release is None or release < Version(FIRST):
+        return Decision("unsupported",
+                        f"DeepSpeed {version} is older than the first supported release {FIRST}: {OLDER_REASON}",
+                        methods)
     odd = [f"{name}: {result}" for name, result in methods.items() if result != PATCHABLE]
     if odd:
         return Decision(
             "unsupported", f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
-    return Decision("applied", f"DeepSpeed {version}: the methods match a known unfixed form", methods, {
-        name: replacement
-        for name, (_, replacement) in found.items()
-    })
+    shipped = [UNFIXED[name][fingerprint(cls.__dict__[name])] for name in patch_set.methods]
+    common = tuple(v for v in shipped[0] if all(v in releases for releases in shipped[1:])) or shipped[0]
+    if newer_than_tested(version):
+        reason = (f"DeepSpeed {version} is newer than the releases tested ({FIRST} to {LAST}); its methods match "
+                  f"the unfixed form of DeepSpeed {_releases_text(common)}")
+    else:
+        reason = f"DeepSpeed {version}: the methods match a known unfixed form (DeepSpeed {_releases_text(common)})"
+    return Decision("applied", reason, methods, {name: replacement for name, (_, replacement) in found.items()})
 
 
 def _owner(func: Callable) -> str:

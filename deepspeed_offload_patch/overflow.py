@@ -1,12 +1,14 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The whole change to DeepSpeed: two methods of ``DeepSpeedZeroOptimizer``.
+"""The whole change to DeepSpeed: two methods of ``DeepSpeedZeroOptimizer``, in each form DeepSpeed shipped them.
 
 They replace, on the class in ``deepspeed/runtime/zero/stage_1_and_2.py``, the methods of the same names:
 
-* ``update_offload_overflow_tracker(grad)`` put the device result of ``_has_inf_or_nan`` into a Python ``if``: one
-  host synchronization per partition gradient at every accumulation boundary, even when nothing reads the flag.
-  Here it returns at once when ``check_grad_overflow`` is off, and otherwise ORs the result into a device bool.
+* The tracker put the device result of ``_has_inf_or_nan`` into a Python ``if``: one host synchronization per
+  partition gradient at every accumulation boundary, even when nothing reads the flag. Here it returns at once when
+  nothing will read the flag, and otherwise ORs the result into a device bool. From DeepSpeed 0.17.1 the tracker is
+  ``update_offload_overflow_tracker(grad)`` and the flag is read when ``check_grad_overflow`` is on; before, it is
+  ``update_overflow_tracker_for_param_grad(param)`` and ``step()`` reads the flag in fp16 only.
 * ``has_overflow()`` wrapped the host bool in a new tensor. Here it converts the device flag (or the initial
   Python ``False``) into the uint8 tensor it all-reduces; the host reads it once, after the all-reduce.
 
@@ -29,6 +31,23 @@ def update_offload_overflow_tracker(self, grad):
     found = found.to(device=get_accelerator().current_device_name(), dtype=torch.bool)
     flag = getattr(self, "local_overflow", False)
     # Out of place, so the flag never aliases a tensor that _has_inf_or_nan returned.
+    self.local_overflow = flag | found if torch.is_tensor(flag) else found | bool(flag)
+
+
+def update_overflow_tracker_for_param_grad(self, param):
+    # The form of DeepSpeed 0.14.0 to 0.17.0, where step() reads the flag in fp16 only (through check_overflow).
+    # An optimizer built via __new__ without a dtype checks, as an fp16 one would.
+    if getattr(self, "dtype", torch.float16) != torch.float16:
+        return
+    grad_accum = self.get_param_gradient_attribute(param)
+    if grad_accum is None:
+        return
+    found = self._has_inf_or_nan(grad_accum.data)
+    if not torch.is_tensor(found):
+        found = torch.tensor(bool(found))
+    # The check gives an fp32 0/1: keep its OR as a bool flag on the accelerator.
+    found = found.to(device=get_accelerator().current_device_name(), dtype=torch.bool)
+    flag = getattr(self, "local_overflow", False)
     self.local_overflow = flag | found if torch.is_tensor(flag) else found | bool(flag)
 
 
@@ -76,11 +95,37 @@ def has_overflow_dp_if_partitioned(self, partition_gradients=True):
     return bool(overflow)
 
 
+def has_overflow_serial_if_not_partitioned(self, partition_gradients=True):
+    # The form of DeepSpeed 0.14.0 to 0.17.0: the offload flag counts only with partition_gradients (step() passes
+    # the default, True); otherwise the bit16 parameters' gradients are checked. Kept as it was.
+    if partition_gradients:
+        if self.cpu_offload:
+            flag = self.local_overflow
+            if torch.is_tensor(flag):
+                overflow_gpu = flag.to(get_accelerator().current_device_name(), torch.uint8).reshape(1)
+            else:
+                overflow_gpu = get_accelerator().ByteTensor([flag])
+        else:
+            overflow = self.has_overflow_partitioned_grads_serial()
+            overflow_gpu = overflow.byte().to(get_accelerator().current_device_name())
+        dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+    else:
+        params = [param for group in self.bit16_groups for param in group]
+        overflow_gpu = self.has_overflow_serial(params).byte().to(get_accelerator().current_device_name())
+
+    self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
+
+    overflow = overflow_gpu[0].item()
+    return bool(overflow)
+
+
 #: For each ``DeepSpeedZeroOptimizer`` method, its replacements with the releases whose form of the method each one
 #: replaces. The guard picks the one whose range holds every release that ships the original it found.
 REPLACEMENTS = {
     "update_offload_overflow_tracker": ((">=0.17.1", update_offload_overflow_tracker), ),
-    "has_overflow": ((">=0.17.1,<0.18", has_overflow_dp_if_partitioned), (">=0.18.0", has_overflow)),
+    "update_overflow_tracker_for_param_grad": ((">=0.14.0,<0.17.1", update_overflow_tracker_for_param_grad), ),
+    "has_overflow": ((">=0.14.0,<0.17.1", has_overflow_serial_if_not_partitioned),
+                     (">=0.17.1,<0.18", has_overflow_dp_if_partitioned), (">=0.18.0", has_overflow)),
 }
 
 # Imported last: importing DeepSpeed from here may run the patch hook, which needs REPLACEMENTS above. The functions

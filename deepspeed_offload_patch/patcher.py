@@ -135,7 +135,7 @@ def _apply_set(cls: type, patch_set):
 
 def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchStatus:
     """Apply the fix, and the on-device grad norm if ``grad_norm``, to the loaded ZeRO module."""
-    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG
+    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG, fix_for
 
     with _lock:
         cls = getattr(module, TARGET_CLASS, None)
@@ -143,10 +143,13 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
             missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
             status = _set(*missing, grad_norm=missing if grad_norm else None)
         else:
-            fix = _apply_set(cls, OVERFLOW_FLAG)
+            form = fix_for(cls)
+            fix = _apply_set(cls, form)
             methods = dict(fix.methods)
             norm = None
-            if grad_norm:
+            if grad_norm and form is not OVERFLOW_FLAG:
+                norm = (UNSUPPORTED, f"the on-device grad norm is for DeepSpeed {GRAD_NORM.releases[2:]} and later")
+            elif grad_norm:
                 opt_in = _apply_set(cls, GRAD_NORM)
                 methods.update(opt_in.methods)
                 norm = (opt_in.state, opt_in.reason)
@@ -322,14 +325,16 @@ def revert() -> PatchStatus:
 
 
 def is_applied() -> bool:
-    """True when both methods of the fix are this package's replacements right now (the opt-in aside)."""
-    from deepspeed_offload_patch.guard import METHODS
+    """True when both methods of the fix (in the form the loaded DeepSpeed has) are this package's replacements right
+    now (the opt-in aside)."""
+    from deepspeed_offload_patch.guard import fix_methods
 
     module = sys.modules.get(TARGET_MODULE)
-    if module is None or not all(name in _installed for name in METHODS):
+    cls = getattr(module, TARGET_CLASS, None)
+    if cls is None:
         return False
-    cls = getattr(module, TARGET_CLASS)
-    return all(cls.__dict__.get(name) is _installed[name] for name in METHODS)
+    methods = fix_methods(cls)
+    return all(name in _installed and cls.__dict__.get(name) is _installed[name] for name in methods)
 
 
 def status() -> PatchStatus:

@@ -22,7 +22,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostSyncError", "HostSyncCounter", "RaisingBoolTensor", "count_host_syncs", "no_host_sync"]
+__all__ = [
+    "HostSyncError", "HostSyncCounter", "RaisingBoolTensor", "count_host_syncs", "no_host_sync", "on_the_cpu",
+    "allow_fp16_on_cpu"
+]
 
 aten = torch.ops.aten
 
@@ -193,3 +196,45 @@ class RaisingBoolTensor(torch.Tensor):
 
     def __bool__(self):
         raise HostSyncError(f"truth value of a device flag taken on the host at {_caller()}")
+
+
+class _OnTheCpu(TorchFunctionMode):
+    """Maps every device argument of a torch call to the CPU, and ``Tensor.cuda()`` to no move at all."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if isinstance(arg, (str, torch.device)) else arg for arg in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_the_cpu() -> Iterator[None]:
+    """Keep every tensor that code creates or moves inside the block on the CPU, whatever device it names.
+
+    For trying code on throwaway inputs (the guard's probe of an unknown tracker) without touching an accelerator.
+    Device names that code asks for (``get_accelerator().current_device_name()``) are still computed.
+    """
+    with _OnTheCpu():
+        yield
+
+
+def allow_fp16_on_cpu() -> bool:
+    """Let DeepSpeed's CPU accelerator train in fp16, which it declines (``is_fp16_supported()`` is False) although
+    torch runs fp16 on the CPU. Call it in each rank before ``deepspeed.initialize``; it changes only the CPU
+    accelerator object of this process, and returns whether it did (False on any other accelerator).
+
+    Tests need it: fp16 with dynamic loss scaling is the precision where overflow is routine, and before DeepSpeed
+    0.17.1 the only one whose overflow flag is read.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return False
+    accelerator.is_fp16_supported = lambda: True
+    return True

@@ -347,9 +347,12 @@ def method_origins() -> Dict[str, str]:
     """The module each of the fix's two methods of ``DeepSpeedZeroOptimizer`` comes from right now."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from deepspeed_offload_patch.guard import METHODS
+    from deepspeed_offload_patch.guard import fix_methods
 
-    return {name: getattr(DeepSpeedZeroOptimizer.__dict__[name], "__module__", "?") for name in METHODS}
+    return {
+        name: getattr(DeepSpeedZeroOptimizer.__dict__[name], "__module__", "?")
+        for name in fix_methods(DeepSpeedZeroOptimizer)
+    }
 
 
 def trace_runs(runs: Sequence[Run],

@@ -51,11 +51,15 @@ def ds_config(stage: int = 2,
               check_grad_overflow: bool = True,
               grad_accum: int = 1,
               micro_batch: int = 2,
+              initial_scale_power: int = 8,
               **zero_options: Any) -> Dict[str, Any]:
     """A DeepSpeed config for ZeRO ``stage`` (1 or 2) with the optimizer offloaded to the CPU and torch's Adam.
 
-    ``dtype`` is ``"bf16"`` or ``"fp32"``; ``check_grad_overflow`` applies to bf16 (fp32 never checks).
-    ``zero_options`` go into ``zero_optimization`` (``overlap_comm``, ``contiguous_gradients``, ...).
+    ``dtype`` is ``"bf16"``, ``"fp16"`` or ``"fp32"``; ``check_grad_overflow`` applies to bf16 (fp16 always checks,
+    fp32 never). fp16 uses dynamic loss scaling from ``2**initial_scale_power`` (a large power overflows in the
+    first steps on every rank, as fp16 runs do); on the CPU it needs :func:`~deepspeed_offload_patch.testing.
+    allow_fp16_on_cpu`, which :func:`make_engine` calls. ``zero_options`` go into ``zero_optimization``
+    (``overlap_comm``, ``contiguous_gradients``, ...).
     """
     config: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -81,8 +85,10 @@ def ds_config(stage: int = 2,
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True, "check_grad_overflow": check_grad_overflow}
+    elif dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": initial_scale_power, "hysteresis": 1}
     elif dtype != "fp32":
-        raise ValueError(f"dtype must be 'bf16' or 'fp32' on the CPU, not {dtype!r}")
+        raise ValueError(f"dtype must be 'bf16', 'fp16' or 'fp32', not {dtype!r}")
     return config
 
 
@@ -99,12 +105,15 @@ def make_engine(num_tensors: int = 120,
     """
     import deepspeed
 
+    from deepspeed_offload_patch.testing import allow_fp16_on_cpu
+
+    config = config if config is not None else ds_config()
+    if config.get("fp16", {}).get("enabled"):
+        allow_fp16_on_cpu()
     torch.manual_seed(seed)
     model = model_class(num_tensors, hidden)
     parameters: Union[Iterable, list] = param_groups(model) if groups else model.parameters()
-    engine, _, _, _ = deepspeed.initialize(model=model,
-                                           model_parameters=parameters,
-                                           config=config if config is not None else ds_config())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=config)
     return engine
 
 
@@ -112,7 +121,7 @@ def batch(engine, step: int, hidden: int = 8) -> torch.Tensor:
     """A deterministic input batch for ``step`` on this rank, on the engine's device and dtype."""
     generator = torch.Generator().manual_seed(1000 * step + engine.global_rank)
     x = torch.randn(engine.train_micro_batch_size_per_gpu(), hidden, generator=generator)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     return x.to(device=engine.device, dtype=dtype)
 
 
