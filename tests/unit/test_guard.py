@@ -24,23 +24,37 @@ def test_every_recorded_form_has_exactly_one_replacement():
             ]
             assert len(matching) == 1, (name, releases, matching)
         covered = sorted({v for releases in forms.values() for v in releases}, key=guard.Version)
-        assert covered == list(PATCHED_RELEASES), name
+        sets = [patch_set for patch_set in guard.PATCH_SETS if name in patch_set.methods]
+        expected = [v for v in PATCHED_RELEASES if any(guard.SpecifierSet(p.releases).contains(v) for p in sets)]
+        assert covered == expected, name
+
+
+def test_every_release_has_one_form_of_the_fix():
+    for version in PATCHED_RELEASES:
+        forms = [p for p in guard.FIX_FORMS if guard.SpecifierSet(p.releases).contains(version)]
+        assert len(forms) == 1, (version, forms)
+        assert all(version in releases for name in forms[0].methods for releases in UNFIXED[name].values()
+                   if version in releases)
+        assert all(any(version in releases for releases in UNFIXED[name].values()) for name in forms[0].methods)
 
 
 def test_installed_deepspeed_is_a_recorded_unfixed_form():
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
-    for name in guard.ALL_METHODS:
+    for name in guard.fix_methods(DeepSpeedZeroOptimizer):
         original = patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
         assert deepspeed.__version__ in UNFIXED[name][guard.fingerprint(original)], name
 
 
-@pytest.mark.parametrize("version, supported", [("0.17.1", True), ("0.19.8", True), ("0.19.8+abc123", True),
-                                                ("0.18.4", True), ("0.17.0", False), ("0.16.9", False),
-                                                ("0.19.9", False), ("0.20.0", False), ("garbage", False)])
-def test_supported_range(version, supported):
+@pytest.mark.parametrize("version, supported, newer", [("0.14.0", True, False), ("0.16.9", True, False),
+                                                       ("0.17.0", True, False), ("0.19.8", True, False),
+                                                       ("0.19.8+abc123", True, False), ("0.13.5", False, False),
+                                                       ("0.19.9", False, True), ("0.20.0.dev0", False, True),
+                                                       ("1.0.0", False, True), ("garbage", False, False)])
+def test_supported_range(version, supported, newer):
     assert guard.in_supported_range(version) is supported
+    assert guard.newer_than_tested(version) is newer
 
 
 def test_fingerprint_ignores_formatting_comments_and_docstring():
@@ -50,10 +64,13 @@ def test_fingerprint_ignores_formatting_comments_and_docstring():
     assert guard.fingerprint_source(a) == guard.fingerprint_source(b) != guard.fingerprint_source(c)
 
 
+HEADER = "import torch\nfrom deepspeed import comm as dist\nfrom deepspeed.accelerator import get_accelerator\n"
+
+
 def _synthetic_class(tmp_path, name: str, methods: str):
     """A module file defining ``DeepSpeedZeroOptimizer`` with ``methods`` (so its source is real and readable)."""
     path = tmp_path / f"{name}.py"
-    path.write_text("import torch\n\nclass DeepSpeedZeroOptimizer:\n" + textwrap.indent(methods, "    "))
+    path.write_text(HEADER + "\n\nclass DeepSpeedZeroOptimizer:\n" + textwrap.indent(methods, "    "))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -80,3 +97,138 @@ def test_an_unknown_form_is_unsupported(tmp_path):
         "update_offload_overflow_tracker": guard.MISMATCH,
         "has_overflow": guard.MISMATCH
     }
+
+
+def _unfixed_sources() -> str:
+    """The recorded unfixed sources of the installed DeepSpeed's two methods, as a class body."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed_offload_patch import patcher
+    return "\n".join(
+        textwrap.dedent(inspect.getsource(patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])))
+        for name in guard.fix_methods(DeepSpeedZeroOptimizer))
+
+
+@pytest.mark.parametrize("version", ["0.19.9", "0.20.0.dev0", "0.21.0+abc123"])
+def test_a_newer_version_with_a_known_form_is_patched_and_says_so(tmp_path, version):
+    cls = _synthetic_class(tmp_path, f"synthetic_newer_{abs(hash(version))}", _unfixed_sources())
+    decision = guard.inspect_target(cls, version)
+    assert decision.state == "applied" and len(decision.replacements) == 2, decision
+    assert f"DeepSpeed {version} is newer than the releases tested ({guard.FIRST} to {guard.LAST})" in decision.reason
+    assert "match the unfixed form of DeepSpeed" in decision.reason, decision.reason
+
+
+@pytest.mark.parametrize("version", ["0.13.5", "0.12.6", "not-a-version"])
+def test_an_older_version_is_unsupported_whatever_its_form(tmp_path, version):
+    cls = _synthetic_class(tmp_path, f"synthetic_older_{abs(hash(version))}", _unfixed_sources())
+    decision = guard.inspect_target(cls, version)
+    assert decision.state == "unsupported" and decision.replacements == {}, decision
+    assert f"older than the first supported release {guard.FIRST}" in decision.reason, decision.reason
+
+
+# Fixed trackers in words other than this package's: in place and out of place, other names and expressions.
+FIXED_TRACKERS = {
+    "in-place-logical-or": """
+def update_offload_overflow_tracker(self, grad):
+    if grad is None or not self.check_grad_overflow:
+        return
+    bad = self._has_inf_or_nan(grad.data).bool()
+    if isinstance(self.local_overflow, torch.Tensor):
+        self.local_overflow.logical_or_(bad.to(self.local_overflow.device))
+    else:
+        self.local_overflow = bad.clone()
+""",
+    "out-of-place-torch-logical-or": """
+def update_offload_overflow_tracker(self, grad):
+    if self.check_grad_overflow and grad is not None:
+        seen = self.local_overflow if torch.is_tensor(self.local_overflow) else torch.zeros((), dtype=torch.bool)
+        self.local_overflow = torch.logical_or(seen, self._has_inf_or_nan(grad.data).to(torch.bool))
+""",
+    "max-accumulator": """
+def update_offload_overflow_tracker(self, grad):
+    if not self.check_grad_overflow:
+        return
+    if grad is not None:
+        result = self._has_inf_or_nan(grad.data).float().reshape(())
+        previous = self.local_overflow
+        if not torch.is_tensor(previous):
+            previous = torch.zeros_like(result)
+        self.local_overflow = torch.maximum(previous.float(), result).bool()
+""",
+}
+FIXED_HAS_OVERFLOW = """
+def has_overflow(self, partition_gradients=True):
+    device = get_accelerator().current_device_name()
+    if self.cpu_offload:
+        flag = self.local_overflow
+        flag = flag if torch.is_tensor(flag) else torch.tensor(flag)
+        overflow_gpu = flag.reshape(1).to(device=device, dtype=torch.uint8)
+    else:
+        overflow_gpu = self.has_overflow_partitioned_grads_serial().byte().to(device)
+    dist.all_reduce(overflow_gpu, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=overflow_gpu, op=dist.ReduceOp.MAX)
+    return bool(overflow_gpu[0].item())
+"""
+# Trackers that still read the host (or check with the check off), in ways the fingerprints never saw.
+UNFIXED_TRACKERS = {
+    "item": """
+def update_offload_overflow_tracker(self, grad):
+    if self.check_grad_overflow and self._has_inf_or_nan(grad.data).item():
+        self.local_overflow = True
+""",
+    "or-of-tensors": """
+def update_offload_overflow_tracker(self, grad):
+    if self.check_grad_overflow:
+        self.local_overflow = self.local_overflow or self._has_inf_or_nan(grad.data)
+""",
+    "any-tolist": """
+def update_offload_overflow_tracker(self, grad):
+    found = torch.stack([self._has_inf_or_nan(grad.data)]).tolist()
+    if self.check_grad_overflow and any(found):
+        self.local_overflow = True
+""",
+    "checks-with-check-off": """
+def update_offload_overflow_tracker(self, grad):
+    found = self._has_inf_or_nan(grad.data).bool()
+    if self.check_grad_overflow:
+        flag = self.local_overflow
+        self.local_overflow = flag | found if torch.is_tensor(flag) else found
+""",
+    "host-flag": """
+def update_offload_overflow_tracker(self, grad):
+    if self.check_grad_overflow:
+        self.local_overflow = int(self._has_inf_or_nan(grad.data).sum()) > 0 or self.local_overflow
+""",
+    "forgets": """
+def update_offload_overflow_tracker(self, grad):
+    if self.check_grad_overflow:
+        self.local_overflow = self._has_inf_or_nan(grad.data).bool()
+""",
+}
+
+
+@pytest.mark.parametrize("name", list(FIXED_TRACKERS))
+@pytest.mark.parametrize("version", ["0.19.8", "0.20.0"])
+def test_a_fix_in_other_words_is_upstream_fixed(tmp_path, name, version):
+    cls = _synthetic_class(tmp_path, f"synthetic_fixed_{name.replace('-', '_')}_{version.replace('.', '_')}",
+                           FIXED_TRACKERS[name] + FIXED_HAS_OVERFLOW)
+    assert guard.probe_tracker(cls) is None
+    decision = guard.inspect_target(cls, version)
+    assert decision.state == "upstream-fixed" and decision.replacements == {}, decision
+    assert decision.methods["update_offload_overflow_tracker"] == guard.FIXED, decision
+
+
+@pytest.mark.parametrize("name", list(UNFIXED_TRACKERS))
+def test_a_tracker_that_still_reads_the_host_is_unsupported(tmp_path, name):
+    cls = _synthetic_class(tmp_path, f"synthetic_unfixed_{name.replace('-', '_')}",
+                           UNFIXED_TRACKERS[name] + FIXED_HAS_OVERFLOW)
+    assert guard.probe_tracker(cls) is not None
+    decision = guard.inspect_target(cls, "0.20.0")
+    assert decision.state == "unsupported" and decision.replacements == {}, decision
+    assert decision.methods["update_offload_overflow_tracker"] == guard.MISMATCH, decision
+
+
+def test_the_probe_finds_this_package_s_tracker_fixed(tmp_path):
+    """The probe's idea of fixed is the patch's: our own tracker, compiled as DeepSpeed's, passes it."""
+    source = textwrap.dedent(inspect.getsource(overflow.update_offload_overflow_tracker)) + FIXED_HAS_OVERFLOW
+    cls = _synthetic_class(tmp_path, "synthetic_ours", source)
+    assert guard.probe_tracker(cls) is None
