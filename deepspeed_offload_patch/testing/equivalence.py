@@ -28,8 +28,10 @@ from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused,
                                                     optimizer_step)
 
 __all__ = [
-    "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "differences", "invalid_norm_skips_step",
-    "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side", "trace_runs", "zenflow_available"
+    "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "bad_gradients_survive", "differences",
+    "flag_is_read",
+    "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side",
+    "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
@@ -47,7 +49,7 @@ SIDE_ENV = {
         "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
     },
 }
-PRECISIONS = ("bf16", "bf16-nocheck", "fp32")
+PRECISIONS = ("bf16", "bf16-nocheck", "fp32", "fp16")
 MODELS = ("plain", "sometimes-unused", "param-groups")
 FAULT_PATHS = ("grad", "set-cpu", "set-device")
 CHECKPOINT_TAG = "mid"
@@ -82,7 +84,8 @@ class Fault:
 
 @dataclass(frozen=True)
 class Run:
-    """One training run on every rank. ``precision``: ``bf16`` (overflow check on), ``bf16-nocheck`` or ``fp32``;
+    """One training run on every rank. ``precision``: ``bf16`` (overflow check on), ``bf16-nocheck``, ``fp32`` or
+    ``fp16`` (dynamic loss scaling from ``2**initial_scale_power``);
     ``model``: ``plain``, ``sometimes-unused`` (a side layer only even micro-steps use, one layer never used) or
     ``param-groups`` (two optimizer groups). ``zenflow`` trains with DeepSpeed's ZenFlow optimizer (ZeRO-2, its
     CPU Adam). ``save_after``: save a checkpoint after that many steps when :func:`trace_runs` is given a
@@ -101,6 +104,7 @@ class Run:
     faults: Tuple[Fault, ...] = ()
     save_after: Optional[int] = None
     num_tensors: int = 12
+    initial_scale_power: int = 8
 
     def __post_init__(self):
         if self.precision not in PRECISIONS or self.model not in MODELS:
@@ -108,16 +112,18 @@ class Run:
 
     @property
     def skips_bad_steps(self) -> bool:
-        """Whether DeepSpeed skips a step with an inf/NaN gradient here, patched or not: bf16 with the check on
-        does; bf16 with it off does not (the bad values reach the parameters); fp32 runs with the check off and
-        skips only where :func:`invalid_norm_skips_step` (0.19.8 and later)."""
+        """Whether DeepSpeed skips a step with an inf/NaN gradient here, patched or not: fp16 does; bf16 with the
+        check on does where its flag is read (:func:`flag_is_read`); bf16 with it off does not (the bad values reach
+        the parameters); fp32 runs with the check off and skips only where :func:`invalid_norm_skips_step` (0.19.8
+        and later)."""
         if self.precision == "fp32" and not self.zenflow:
             return invalid_norm_skips_step()
-        return self.precision == "bf16"
+        return self.precision in ("bf16", "fp16") and flag_is_read(self.precision)
 
     def config(self) -> Dict[str, Any]:
         config = ds_config(stage=self.stage,
-                           dtype="fp32" if self.precision == "fp32" else "bf16",
+                           dtype=self.precision.split("-")[0],
+                           initial_scale_power=self.initial_scale_power,
                            check_grad_overflow=self.precision == "bf16",
                            grad_accum=self.grad_accum,
                            overlap_comm=self.overlap_comm,
@@ -150,6 +156,41 @@ def invalid_norm_skips_step() -> bool:
     return release_of(deepspeed.__version__) >= Version("0.19.8")
 
 
+def per_param_tracker() -> bool:
+    """Whether the installed DeepSpeed has the tracker of 0.14.0 to 0.17.0,
+    ``update_overflow_tracker_for_param_grad(param)`` (patched or not)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_offload_patch.guard import OVERFLOW_FLAG_PER_PARAM, fix_for
+
+    return fix_for(DeepSpeedZeroOptimizer) is OVERFLOW_FLAG_PER_PARAM
+
+
+def flag_is_read(precision: str) -> bool:
+    """Whether ``step()`` of the installed DeepSpeed reads the offload overflow flag in ``precision`` (a
+    :class:`Run` precision): fp16 always; bf16 with the check on from 0.17.1 (before, ``step()`` checks overflow in
+    fp16 only); bf16 with the check off and fp32 never. Where it is not read, the patched tracker checks nothing."""
+    if precision == "fp16":
+        return True
+    return precision == "bf16" and not per_param_tracker()
+
+
+def bad_gradients_survive(precision: str) -> bool:
+    """Whether the installed DeepSpeed's ``step()`` survives an inf/NaN gradient in ``precision``, patched or not.
+
+    DeepSpeed 0.14.0 to 0.17.0 do not where they do not read the flag (bf16, fp32): their offload gradient norm
+    turns into the integer -1, and ``step()`` fails on it in ``torch.linalg.vector_norm``. Tests inject faults only
+    where DeepSpeed survives them.
+    """
+    return flag_is_read(precision) or not per_param_tracker()
+
+
+def set_full_grad_reaches_tracker() -> bool:
+    """Whether ``safe_set_full_grad`` passes the gradient it sets through the overflow tracker (0.17.1 and later;
+    0.14.0 has no ``safe_set_full_grad``, and up to 0.17.0 it bypasses the tracker)."""
+    return not per_param_tracker()
+
+
 def zenflow_available() -> bool:
     """Whether the installed DeepSpeed has ZenFlow (0.17.6 and later)."""
     import importlib.util
@@ -159,16 +200,18 @@ def zenflow_available() -> bool:
 def ranks_agree_on_overflow(zero_stage: int) -> bool:
     """Whether DeepSpeed all-reduces the offload overflow flag over data-parallel ranks at this stage.
 
-    DeepSpeed 0.17.x does so only when gradients are partitioned (ZeRO-2). Under ZeRO-1, an overflow that only one
-    rank's partition sees makes the ranks disagree, and their collectives then abort, patched or not (fixed upstream
-    in 0.18.0; the patch keeps each release's behaviour).
+    DeepSpeed 0.17.1 to 0.17.6 do so only when gradients are partitioned (ZeRO-2). Under ZeRO-1, an overflow that
+    only one rank's partition sees makes the ranks disagree, and their collectives then abort, patched or not (fixed
+    upstream in 0.18.0; before 0.17.1, ``step()`` always passed the all-reducing default; the patch keeps each
+    release's behaviour).
     """
     import deepspeed
     from packaging.version import Version
 
     from deepspeed_offload_patch.guard import release_of
 
-    return zero_stage == 2 or release_of(deepspeed.__version__) >= Version("0.18.0")
+    release = release_of(deepspeed.__version__)
+    return zero_stage == 2 or not Version("0.17.1") <= release < Version("0.18.0")
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -288,9 +331,13 @@ def _set_fault(engine, run: Run, fault: Fault) -> None:
 
 
 def _flag(optimizer) -> Any:
-    """The overflow flag as ``step()`` will read it, as a host bool; ``"unread"`` where the check is off (there the
-    patch leaves the flag alone and unpatched DeepSpeed sets it for nothing)."""
-    if not getattr(optimizer, "check_grad_overflow", True):
+    """The overflow flag as ``step()`` will read it, as a host bool; ``"unread"`` where ``step()`` does not read it
+    (there the patch leaves the flag alone and unpatched DeepSpeed sets it for nothing)."""
+    if hasattr(optimizer, "check_grad_overflow"):
+        read = optimizer.check_grad_overflow
+    else:  # 0.14.0 to 0.17.0: fp16 only
+        read = optimizer.dtype == torch.float16
+    if not read:
         return "unread"
     return bool(optimizer.local_overflow)
 

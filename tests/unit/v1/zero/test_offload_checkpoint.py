@@ -16,14 +16,22 @@ import pytest
 import torch
 
 from deepspeed_offload_patch.testing.equivalence import (CHECKPOINT_TAG, PATCHED, UNPATCHED, Fault, Run, differences,
-                                                         run_side)
+                                                         flag_is_read, run_side)
 
 pytestmark = pytest.mark.equivalence
 
 SAVE_AFTER = 3
+# ZeRO-1 in bf16 where step() reads its flag (from DeepSpeed 0.17.1; fp16 before), ZeRO-2 in fp16, whose dynamic
+# loss scale state the checkpoint also carries.
 RUNS = tuple(
-    Run(f"checkpoint-s{stage}", stage=stage, grad_accum=2, steps=6, save_after=SAVE_AFTER, faults=(Fault(1, "inf"), ))
-    for stage in (1, 2))
+    Run(f"checkpoint-{precision}-s{stage}",
+        stage=stage,
+        precision=precision,
+        grad_accum=2,
+        steps=6,
+        save_after=SAVE_AFTER,
+        faults=(Fault(1, "inf"), ))
+    for stage, precision in ((1, "bf16" if flag_is_read("bf16") else "fp16"), (2, "fp16")))
 
 
 @pytest.fixture(scope="module")

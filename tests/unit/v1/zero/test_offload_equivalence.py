@@ -6,13 +6,14 @@ Each run trains on 2 ranks, once in processes with the patch and once in process
 step's parameters, fp32 master partitions, skipped-step count, ``optimizer.overflow`` and loss scale state must be
 identical, bits and Python types (:mod:`deepspeed_offload_patch.testing.equivalence`).
 
-The configurations are a pairwise covering array, not the full product (3 x 3 x 2^5 = 288 runs): every pair of
-values of any two factors appears in at least one of the 9 runs of ``PAIRWISE``, which
+The configurations are a pairwise covering array, not the full product (4 x 3 x 2^5 = 384 runs): every pair of
+values of any two factors appears in at least one of the 12 runs of ``PAIRWISE``, which
 ``test_the_runs_cover_every_pair`` checks. Most interactions that break code involve one or two factors; the two
-three-valued factors (precision and model) are crossed in full. Runs that skip bad steps (bf16 with the check on;
-fp32 from 0.19.8, through its gradient norm) get an inf on one rank at a boundary and a NaN on the other rank (at an
-inner micro-step where there is one); bf16 runs with the check off get a NaN in their last step, which they do not
-detect, patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run. ZenFlow skips steps of its own on the
+many-valued factors (precision and model) are crossed in full. bf16, bf16 with the check off, fp32 and fp16 (loss
+scale 2**8) all get an inf on one rank at a boundary and a NaN on the other rank (at an inner micro-step where there
+is one), except bf16 with the check off, whose NaN comes in the last step: runs that skip bad steps (fp16; bf16 with
+the check on from 0.17.1; fp32 from 0.19.8, through its gradient norm) must skip exactly those steps, the others
+train through them, patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run. ZenFlow skips steps of its own on the
 CPU, patched or not (after an overflow on 0.19.8; on 0.18.x its parameters go to NaN and it skips from the second
 step), so its only fault is in its last step, which must be skipped.
 """
@@ -23,8 +24,9 @@ import pytest
 
 from deepspeed_offload_patch import GOOD_STATES
 from deepspeed_offload_patch.testing.equivalence import (MODELS, PATCHED, PRECISIONS, UNPATCHED, Fault, Run,
-                                                         differences, invalid_norm_skips_step, run_side,
-                                                         zenflow_available)
+                                                         bad_gradients_survive, differences, invalid_norm_skips_step,
+                                                         per_param_tracker, run_side, zenflow_available)
+from deepspeed_offload_patch.testing.launch import DistributedFailure
 
 pytestmark = pytest.mark.equivalence
 
@@ -49,10 +51,15 @@ _ROWS = (
     ("fp32", "plain", 2, 3, True, True, True),
     ("fp32", "sometimes-unused", 1, 3, True, False, False),
     ("fp32", "param-groups", 1, 1, False, False, False),
+    ("fp16", "plain", 1, 1, False, False, False),
+    ("fp16", "sometimes-unused", 1, 1, False, False, False),
+    ("fp16", "param-groups", 2, 3, True, True, True),
 )
 
 
 def _faults(precision: str, grad_accum: int) -> tuple:
+    if not bad_gradients_survive(precision):
+        return ()  # DeepSpeed 0.14.0 - 0.17.0 fail in step() on a bad gradient in bf16 and fp32, patched or not
     if precision == "bf16-nocheck":
         return (Fault(STEPS - 1, "nan", rank=0, param=2), )
     return (Fault(1, "inf", rank=0, param=3), Fault(3, "nan", rank=1, param=6, micro=0 if grad_accum > 1 else None))
@@ -70,13 +77,14 @@ ZENFLOW = Run("zenflow-bf16-s2", stage=2, zenflow=True, steps=STEPS, faults=(Fau
 RUNS = PAIRWISE + ((ZENFLOW, ) if zenflow_available() else ())
 
 
-def _ignores_overflow(self, grad):
+def _ignores_overflow(self, grad_or_param):
     """A deliberately broken tracker: never records an overflow."""
 
 
 def install_broken_tracker() -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    DeepSpeedZeroOptimizer.update_offload_overflow_tracker = _ignores_overflow
+    from deepspeed_offload_patch.guard import fix_methods
+    setattr(DeepSpeedZeroOptimizer, fix_methods(DeepSpeedZeroOptimizer)[0], _ignores_overflow)
 
 
 @pytest.fixture(scope="module")
@@ -125,21 +133,29 @@ def test_the_faults_did_what_they_should(sides, run):
             else:
                 assert skipped == fault_steps, f"{run.name}: skipped {skipped}, faults at {fault_steps}"
                 assert all(not s["nan_params"] for s in steps)
-        else:
+        elif run.faults:
             assert steps[-1]["skipped"] == 0
             assert steps[-1]["nan_params"], f"{run.name}: the NaN at the last step should reach the parameters"
+        else:
+            assert steps[-1]["skipped"] == 0 and not steps[-1]["nan_params"], run.name
 
 
 def test_a_tracker_that_ignores_overflow_is_caught(sides):
     """The comparison can fail: a patch whose tracker ignores overflow differs from unpatched DeepSpeed.
 
-    The flag before ``step()`` shows it on every release. Before 0.19.8 the step then trains on the bad gradient
-    (skip counts and parameters differ too); 0.19.8 also treats an invalid gradient norm as overflow, which still
-    skips the step when the tracker misses it.
+    The first run whose flag ``step()`` reads (bf16 from 0.17.1, fp16 on every release) shows it in the flag before
+    ``step()``. Before 0.19.8 the step then trains on the bad gradient (skip counts and parameters differ too); 0.19.8
+    also treats an invalid gradient norm as overflow, which still skips the step when the tracker misses it.
     """
-    run = PAIRWISE[0]
-    broken = run_side(PATCHED, [run], setup=install_broken_tracker)
-    assert broken[0]["methods"]["update_offload_overflow_tracker"] == __name__
+    run = next(run for run in PAIRWISE if run.skips_bad_steps and run.precision != "fp32")
+    try:
+        broken = run_side(PATCHED, [run], setup=install_broken_tracker)
+    except DistributedFailure as failure:
+        # DeepSpeed 0.14.0 - 0.17.0: step() then takes the bad gradient and fails on its norm (the integer -1),
+        # where the unpatched run skipped the step.
+        assert per_param_tracker() and "vector_norm" in str(failure), failure
+        return
+    assert set(broken[0]["methods"].values()) >= {__name__}, broken[0]["methods"]
     found = differences(broken, sides[UNPATCHED], run.name)
     assert any(": flag False != True" in line for line in found), found
     if not invalid_norm_skips_step():

@@ -9,7 +9,7 @@ import torch
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed_offload_patch.testing.equivalence import backward_to_boundary, poison_plan
+from deepspeed_offload_patch.testing.equivalence import backward_to_boundary, flag_is_read, poison_plan
 from deepspeed_offload_patch.testing.models import ds_config, make_engine, optimizer_step, params_snapshot
 from unit.common import DistributedTest
 
@@ -40,11 +40,15 @@ def _assert_trains(engine, step: int, bad: bool) -> None:
 
 
 class OwnTracker(DeepSpeedZeroOptimizer):
-    """Overrides the tracker with DeepSpeed's old behaviour (a Python bool); the patch's has_overflow reads it."""
+    """Overrides the tracker (in both of DeepSpeed's forms) with DeepSpeed's old behaviour (a Python bool); the
+    patch's has_overflow reads it."""
 
     def update_offload_overflow_tracker(self, grad):
         if grad is not None and self._has_inf_or_nan(grad.data):
             self.local_overflow = True
+
+    def update_overflow_tracker_for_param_grad(self, param):
+        self.update_offload_overflow_tracker(self.get_param_gradient_attribute(param))
 
 
 class OwnHasOverflow(DeepSpeedZeroOptimizer):
@@ -62,7 +66,9 @@ class TestSubclassOverridingOneMethod(DistributedTest):
     @pytest.mark.parametrize("zero_stage", [1, 2])
     @pytest.mark.parametrize("subclass", [OwnTracker, OwnHasOverflow], ids=lambda cls: cls.__name__)
     def test_trains_correctly(self, subclass, zero_stage):
-        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, grad_accum=2))
+        # A precision whose flag step() reads: bf16 from DeepSpeed 0.17.1, fp16 before.
+        precision = "bf16" if flag_is_read("bf16") else "fp16"
+        engine = make_engine(NUM_TENSORS, config=ds_config(stage=zero_stage, dtype=precision, grad_accum=2))
         engine.optimizer.__class__ = subclass
         for step, bad in enumerate([False, True, True, False]):
             _assert_trains(engine, step, bad)
