@@ -56,16 +56,22 @@ def method_text(name: str, func) -> str:
     return textwrap.indent("".join(lines), "    ")
 
 
-def patched(source: str, patch_set) -> str:
-    """``source`` (a release's ``stage_1_and_2.py``) with ``patch_set``'s methods replaced."""
+def replace_methods(source: str, texts: dict) -> str:
+    """``source`` (a ``stage_1_and_2.py``) with the methods of ``DeepSpeedZeroOptimizer`` named in ``texts``
+    replaced by their texts (indented as methods)."""
     lines = source.splitlines(keepends=True)
     cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
-    chosen = replacements_for(source, patch_set)
     spans = [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name) for n in cls.body
-             if isinstance(n, ast.FunctionDef) and n.name in chosen]
+             if isinstance(n, ast.FunctionDef) and n.name in texts]
     for first, last, name in sorted(spans, reverse=True):
-        lines[first - 1:last] = [method_text(name, chosen[name])]
+        lines[first - 1:last] = [texts[name]]
     return "".join(lines)
+
+
+def patched(source: str, patch_set) -> str:
+    """``source`` (a release's ``stage_1_and_2.py``) with ``patch_set``'s methods replaced."""
+    chosen = replacements_for(source, patch_set)
+    return replace_methods(source, {name: method_text(name, func) for name, func in chosen.items()})
 
 
 def unified_diff(before: str, after: str) -> str:

@@ -5,6 +5,7 @@
     python ci/matrix_table.py             # print
     python ci/matrix_table.py --readme    # also write it into README.md between the matrix markers
     python ci/matrix_table.py --require RELEASE [RELEASE ...]   # exit 1 unless these have a passing result
+                                                                 # (a variant build by its kind: truth-test, ...)
 """
 
 import argparse
@@ -25,14 +26,18 @@ def load() -> list:
     for path in glob.glob(os.path.join(REPORTS, "*.json")):
         with open(path) as f:
             results.append(json.load(f))
-    return sorted(results, key=lambda r: Version(r["release"]))
+    return sorted(results, key=lambda r: (Version(r["release"]), r.get("variant", "")))
 
 
 def passed(result: dict) -> bool:
+    """The state is the expected one, the tests ran and none failed or was skipped, the red/green proof (where it
+    ran) held, and with the diffs applied both parts read as expected and the ZeRO tests passed on the diffs alone."""
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
+    ok = ok and result.get("red_green", "pass") == "pass"
     if "diff_tests" in result:
-        ok = (ok and result["diff_state"] == result.get("diff_grad_norm_state") == "upstream-fixed"
+        ok = (ok and result["diff_state"] == "upstream-fixed"
+              and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", "upstream-fixed")
               and result["diff_tests"]["failed"] == 0)
     return bool(ok)
 
@@ -44,16 +49,16 @@ def _tests(counts: dict) -> str:
 
 def render(results: list) -> str:
     lines = [
-        "| DeepSpeed | state on import | tests | fix / grad norm with the diffs applied | ZeRO tests on the diffs alone "
-        "| result "
-        "| commit |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| DeepSpeed | built from | state on import | tests | red/green | fix / grad norm with the diffs applied "
+        "| ZeRO tests on the diffs alone | result | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
-        lines.append(f"| {r['release']} | {r['state']} | {_tests(r['tests'])} | {diff_state} | {diff_tests} | "
-                     f"{'pass' if passed(r) else 'FAIL'} | {r.get('commit', '?')} |")
+        lines.append(f"| {r['release']} | {r.get('variant', 'PyPI')} | {r['state']} | {_tests(r['tests'])} | "
+                     f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
+                     f"{r.get('commit', '?')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -73,7 +78,8 @@ def main() -> int:
         tail = rest.split(END, 1)[1]
         with open(path, "w") as f:
             f.write(f"{head}{START}\n{table}{END}{tail}")
-    by_release = {r["release"]: r for r in results}
+    # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>").
+    by_release = {r["variant"].split(", ")[-1] if "variant" in r else r["release"]: r for r in results}
     missing = [v for v in args.require if v not in by_release or not passed(by_release[v])]
     failing = [r["release"] for r in results if not passed(r)]
     for release in sorted(set(missing) | set(failing), key=Version):

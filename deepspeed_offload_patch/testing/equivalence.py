@@ -29,9 +29,8 @@ from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused,
 
 __all__ = [
     "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "bad_gradients_survive", "differences",
-    "flag_is_read",
-    "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side",
-    "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
+    "flag_is_read", "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan",
+    "ranks_agree_on_overflow", "run_side", "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"

@@ -127,7 +127,8 @@ def test_an_older_version_is_unsupported_whatever_its_form(tmp_path, version):
 
 # Fixed trackers in words other than this package's: in place and out of place, other names and expressions.
 FIXED_TRACKERS = {
-    "in-place-logical-or": """
+    "in-place-logical-or":
+    """
 def update_offload_overflow_tracker(self, grad):
     if grad is None or not self.check_grad_overflow:
         return
@@ -137,13 +138,15 @@ def update_offload_overflow_tracker(self, grad):
     else:
         self.local_overflow = bad.clone()
 """,
-    "out-of-place-torch-logical-or": """
+    "out-of-place-torch-logical-or":
+    """
 def update_offload_overflow_tracker(self, grad):
     if self.check_grad_overflow and grad is not None:
         seen = self.local_overflow if torch.is_tensor(self.local_overflow) else torch.zeros((), dtype=torch.bool)
         self.local_overflow = torch.logical_or(seen, self._has_inf_or_nan(grad.data).to(torch.bool))
 """,
-    "max-accumulator": """
+    "max-accumulator":
+    """
 def update_offload_overflow_tracker(self, grad):
     if not self.check_grad_overflow:
         return
@@ -170,35 +173,41 @@ def has_overflow(self, partition_gradients=True):
 """
 # Trackers that still read the host (or check with the check off), in ways the fingerprints never saw.
 UNFIXED_TRACKERS = {
-    "item": """
+    "item":
+    """
 def update_offload_overflow_tracker(self, grad):
     if self.check_grad_overflow and self._has_inf_or_nan(grad.data).item():
         self.local_overflow = True
 """,
-    "or-of-tensors": """
+    "or-of-tensors":
+    """
 def update_offload_overflow_tracker(self, grad):
     if self.check_grad_overflow:
         self.local_overflow = self.local_overflow or self._has_inf_or_nan(grad.data)
 """,
-    "any-tolist": """
+    "any-tolist":
+    """
 def update_offload_overflow_tracker(self, grad):
     found = torch.stack([self._has_inf_or_nan(grad.data)]).tolist()
     if self.check_grad_overflow and any(found):
         self.local_overflow = True
 """,
-    "checks-with-check-off": """
+    "checks-with-check-off":
+    """
 def update_offload_overflow_tracker(self, grad):
     found = self._has_inf_or_nan(grad.data).bool()
     if self.check_grad_overflow:
         flag = self.local_overflow
         self.local_overflow = flag | found if torch.is_tensor(flag) else found
 """,
-    "host-flag": """
+    "host-flag":
+    """
 def update_offload_overflow_tracker(self, grad):
     if self.check_grad_overflow:
         self.local_overflow = int(self._has_inf_or_nan(grad.data).sum()) > 0 or self.local_overflow
 """,
-    "forgets": """
+    "forgets":
+    """
 def update_offload_overflow_tracker(self, grad):
     if self.check_grad_overflow:
         self.local_overflow = self._has_inf_or_nan(grad.data).bool()

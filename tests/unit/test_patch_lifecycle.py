@@ -151,7 +151,7 @@ def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch,
 UNKNOWN_RELEASE = """
     import deepspeed_offload_patch as dop
     from deepspeed_offload_patch import patcher
-    patcher.deepspeed_version = lambda: "0.16.9"
+    patcher.deepspeed_version = lambda: "0.13.5"
 """
 
 
@@ -160,12 +160,13 @@ def test_unknown_release_warns_once_and_leaves_deepspeed_untouched():
         UNKNOWN_RELEASE, """
         import deepspeed
         status = dop.status()
-        assert status.state == "unsupported" and "0.16.9" in status.reason, status
+        assert status.state == "unsupported" and "0.13.5" in status.reason, status
+        assert "older than the first supported release 0.14.0" in status.reason, status
         assert not is_ours(target())
         assert dop.apply().state == "unsupported"
     """)
     lines = warnings_in(output)
-    assert len(lines) == 1 and "0.16.9" in lines[0] and "WARNING" in lines[0], output
+    assert len(lines) == 1 and "0.13.5" in lines[0] and "WARNING" in lines[0], output
 
 
 def test_unknown_release_raises_in_strict_mode():
@@ -174,7 +175,7 @@ def test_unknown_release_raises_in_strict_mode():
         try:
             import deepspeed
         except dop.PatchError as exc:
-            assert "0.16.9" in str(exc)
+            assert "0.13.5" in str(exc)
         else:
             raise AssertionError("strict mode did not raise")
         assert "deepspeed.runtime.zero.stage_1_and_2" not in sys.modules or not is_ours(target())
@@ -195,6 +196,26 @@ def test_foreign_replacement_is_a_conflict_and_is_kept():
         assert cls.__dict__["update_offload_overflow_tracker"] not in ours("update_offload_overflow_tracker")
     """)
     assert len(warnings_in(output)) == 1 and "conflict" in output, output
+
+
+def test_a_newer_release_with_a_known_form_is_patched_with_one_info_line():
+    # DeepSpeed's logger shows WARNING and above by default: the package's log calls are recorded instead.
+    output = run("""
+        import logging
+        import deepspeed_offload_patch as dop
+        from deepspeed_offload_patch import log, patcher
+        patcher.deepspeed_version = lambda: "0.20.0.dev0"
+        calls = []
+        log.log_once = lambda level, message: calls.append((logging.getLevelName(level), message))
+        import deepspeed
+        from deepspeed.runtime.zero import stage_1_and_2
+        status = dop.status()
+        assert status.state == "applied" and dop.is_applied(), status
+        assert "DeepSpeed 0.20.0.dev0 is newer than the releases tested" in status.reason, status
+        assert len(calls) == 1 and calls[0][0] == "INFO", calls
+        assert "newer than the releases tested" in calls[0][1] and "unfixed form of DeepSpeed" in calls[0][1], calls
+    """)
+    assert warnings_in(output) == [], output
 
 
 def test_warnings_only_on_rank_zero():
