@@ -46,6 +46,8 @@ VARIANTS = {
     "0.20.0.dev0": ("0.20.0.dev0", None, "applied"),
 }
 VARIANT_BASE = "0.19.8"
+REPORTS = os.path.join(ROOT, "reports", "matrix")
+TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [f"release(deepspeed='{v}')"
                         for v in REPRESENTATIVE] + [f"variant(kind='{k}')" for k in list(VARIANTS)[:3]]
