@@ -2,10 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The patch at work: the same small ZeRO offload run on CPU ranks, unpatched and then patched.
 
-    python -m deepspeed_offload_patch.demo [--num-tensors 120] [--stage 2] [--steps 4] [--nan-step 2]
+    python -m deepspeed_offload_patch.demo [--num-tensors 120] [--stage 2] [--steps 4] [--nan-step 2] [--dtype bf16]
 
-Each run trains ``--steps`` optimizer steps with gradient accumulation 2 in bf16 with the overflow check on, and
-puts a NaN into one parameter's gradient on rank 0 at step ``--nan-step``. It prints the host syncs counted in
+Each run trains ``--steps`` optimizer steps with gradient accumulation 2 in ``--dtype`` (bf16 with the overflow check
+on; fp16 with dynamic loss scaling from ``2**--initial-scale-power``; fp32), and puts a NaN into one parameter's
+gradient on rank 0 at step ``--nan-step``. It prints the host syncs counted in
 each backward (boundary and not) and in ``step()``, per rank, then compares the two runs: parameters bit for bit
 and skipped steps. Exits 1 if the patched boundary backward synchronizes or the runs differ.
 """
@@ -24,7 +25,8 @@ from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine
 GRAD_ACCUM = 2
 
 
-def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int) -> Dict[str, Any]:
+def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int, dtype: str,
+              initial_scale_power: int) -> Dict[str, Any]:
     import warnings
 
     import deepspeed_offload_patch
@@ -32,7 +34,8 @@ def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int) -> Dict[s
 
     warnings.simplefilter("ignore", FutureWarning)  # torch's notes on the collectives DeepSpeed calls
 
-    engine = make_engine(num_tensors, config=ds_config(stage=stage, grad_accum=GRAD_ACCUM))
+    config = ds_config(stage=stage, dtype=dtype, grad_accum=GRAD_ACCUM, initial_scale_power=initial_scale_power)
+    engine = make_engine(num_tensors, config=config)
     poisoned = engine.module.layers[len(engine.module.layers) // 2].weight
     boundary, inner, in_step, skipped = [], [], [], []
     for step in range(steps):
@@ -66,7 +69,8 @@ def _run(patched: bool, args) -> List[Dict[str, Any]]:
     env = {"DS_OFFLOAD_PATCH_DISABLE": "0" if patched else "1"}
     return run_distributed(_rank_job,
                            args.world_size,
-                           args=(args.num_tensors, args.stage, args.steps, args.nan_step),
+                           args=(args.num_tensors, args.stage, args.steps, args.nan_step, args.dtype,
+                                 args.initial_scale_power),
                            env=env,
                            timeout=600)
 
@@ -82,10 +86,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
     parser.add_argument("--nan-step", type=int, default=2, help="step with a NaN gradient on rank 0 (-1: none)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="training precision")
+    parser.add_argument("--initial-scale-power", type=int, default=8, help="fp16: the first loss scale is 2**this")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
 
-    print(f"ZeRO-{args.stage}, optimizer offloaded to the CPU, bf16 (check_grad_overflow on), "
+    precision = {
+        "bf16": "bf16 (check_grad_overflow on)",
+        "fp16": f"fp16 (loss scale from 2**{args.initial_scale_power})",
+        "fp32": "fp32"
+    }[args.dtype]
+    print(f"ZeRO-{args.stage}, optimizer offloaded to the CPU, {precision}, "
           f"{args.num_tensors} parameter tensors, {args.world_size} ranks, gradient accumulation {GRAD_ACCUM}, "
           f"{args.steps} steps, NaN on rank 0 at step {args.nan_step}")
     runs = {"unpatched": _run(False, args), "patched": _run(True, args)}

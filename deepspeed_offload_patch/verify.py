@@ -3,7 +3,8 @@
 """``ds-offload-patch verify``: the behavioural proof, on this machine, that the fix is active and correct.
 
 A tiny ZeRO-2 engine with the optimizer offloaded to the CPU (world size 1, in a spawned process; the CPU
-accelerator, or the GPU DeepSpeed finds) trains a few steps with each boundary backward under
+accelerator, or the GPU DeepSpeed finds), in bf16 (fp16 before DeepSpeed 0.17.1, where only fp16 reads the overflow
+flag), trains a few steps with each boundary backward under
 :func:`~deepspeed_offload_patch.testing.no_host_sync`, then a NaN gradient must make it skip a step and leave the
 parameters unchanged. Returns 0 when both hold, 1 otherwise.
 """
@@ -18,10 +19,17 @@ GRAD_ACCUM = 2
 def _verify_rank(steps: int) -> Dict[str, Any]:
     import deepspeed_offload_patch as dop
     from deepspeed_offload_patch.testing import HostSyncError, no_host_sync
+    from deepspeed_offload_patch.testing.equivalence import flag_is_read
     from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 
-    engine = make_engine(40, config=ds_config(stage=2, grad_accum=GRAD_ACCUM))
-    report: Dict[str, Any] = {"state": dop.status().state, "device": str(engine.device), "sync": None}
+    precision = "bf16" if flag_is_read("bf16") else "fp16"
+    engine = make_engine(40, config=ds_config(stage=2, dtype=precision, grad_accum=GRAD_ACCUM))
+    report: Dict[str, Any] = {
+        "state": dop.status().state,
+        "device": str(engine.device),
+        "precision": precision,
+        "sync": None
+    }
     for step in range(steps):
         for micro in range(GRAD_ACCUM):
             loss = engine(batch(engine, step * GRAD_ACCUM + micro))
@@ -58,8 +66,9 @@ def verify(steps: int = 3) -> int:
     except DistributedFailure as exc:
         print(f"verify: FAIL: the check could not run:\n{exc}")
         return 1
-    print(f"verify: ZeRO-2, optimizer offloaded to the CPU, bf16, on {report['device']}; patch state: "
-          f"{report['state']}")
+    print(
+        f"verify: ZeRO-2, optimizer offloaded to the CPU, {report['precision']}, on {report['device']}; patch state: "
+        f"{report['state']}")
     if report["sync"] is not None:
         print(f"verify: FAIL: the boundary backward synchronized with the host: {report['sync']}")
         return 1
