@@ -52,6 +52,14 @@ def sdist_path(sdists: str, version: str) -> str:
     return path
 
 
+def prefetch(sdists: str, versions) -> None:
+    """Download the sdists of ``versions`` that are not under ``sdists`` yet, a few at a time (each ``pip download``
+    spends most of its time preparing metadata)."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda version: sdist_path(sdists, version), versions))
+
+
 def read_target(sdist: str, version: str) -> str:
     """The text of ``stage_1_and_2.py`` in one sdist."""
     with tarfile.open(sdist) as tar:
@@ -74,6 +82,7 @@ def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZ
 def table(sdists: str, versions) -> dict:
     """Each method's forms: for every patch set, the methods of each release in the set's range."""
     result = {name: {} for name in ALL_METHODS}
+    prefetch(sdists, versions)
     for version in versions:
         sources = method_sources(read_target(sdist_path(sdists, version), version))
         names = [
