@@ -2,18 +2,33 @@
 # SPDX-License-Identifier: Apache-2.0
 
 import os
+import re
 import shutil
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read(*parts: str) -> str:
+    with open(os.path.join(HERE, *parts), encoding="utf-8") as f:
+        return f.read()
+
+
+# The one place for the version: deepspeed_offload_patch/__init__.py.
+VERSION = re.search(r'^__version__ = "([^"]+)"', read("deepspeed_offload_patch", "__init__.py"), re.M).group(1)
+
 
 class BuildWithPatches(build_py):
-    """Ship patches/ inside the package (as _patches/), so `ds-offload-patch diff` works from a wheel."""
+    """Ship patches/ inside the package (as _patches/), so `ds-offload-patch diff` works from a wheel. The sdist
+    carries patches/ (MANIFEST.in), so a wheel built from the sdist has them too."""
 
     def run(self):
         super().run()
-        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
+        source = os.path.join(HERE, "patches")
+        if not os.path.isfile(os.path.join(source, "index.json")):
+            raise FileNotFoundError(f"{source} is missing: build from a checkout or from the sdist, which carry it")
         shutil.copytree(source,
                         os.path.join(self.build_lib, "deepspeed_offload_patch", "_patches"),
                         dirs_exist_ok=True)
@@ -21,22 +36,44 @@ class BuildWithPatches(build_py):
 
 setup(
     name="deepspeed_offload_patch",
-    version="0.1.0",
+    version=VERSION,
     description="Keeps DeepSpeed's ZeRO-1/2 offload overflow flag on the device: no host sync per gradient",
+    long_description=read("README.md"),
+    long_description_content_type="text/markdown",
     license="Apache-2.0",
+    license_files=["LICENSE"],
+    keywords=["deepspeed", "zero", "offload", "overflow", "host synchronization", "monkey-patch", "pytorch"],
+    project_urls={
+        "Upstream fix": "https://github.com/deepspeedai/DeepSpeed/pull/8963",
+        "DeepSpeed": "https://github.com/deepspeedai/DeepSpeed",
+    },
     packages=find_packages(include=["deepspeed_offload_patch", "deepspeed_offload_patch.*"]),
+    py_modules=["pytest_ds_offload_patch"],
     package_data={"deepspeed_offload_patch": ["_bootstrap/sitecustomize.py"]},
     python_requires=">=3.9",
     # torch first, as its own install step (a bare deepspeed install pulls a CUDA build); see README.md.
-    install_requires=["deepspeed", "torch", "packaging>=20.0"],
+    install_requires=["deepspeed>=0.14.0", "torch", "packaging>=20.0"],
     extras_require={
         "bench": ["matplotlib"],
-        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib"],
+        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build"],
     },
     entry_points={
         "console_scripts": ["ds-offload-patch=deepspeed_offload_patch.cli:main"],
-        "pytest11": ["ds_offload_patch=deepspeed_offload_patch.pytest_plugin"],
+        "pytest11": ["ds_offload_patch=pytest_ds_offload_patch"],
     },
     cmdclass={"build_py": BuildWithPatches},
-    classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Framework :: Pytest",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.9",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
 )

@@ -11,7 +11,7 @@ error under ``DS_OFFLOAD_PATCH_STRICT=1``). ``DS_OFFLOAD_PATCH_DISABLE=1`` turns
 from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, install, is_applied, revert,
                                              status)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 __all__ = ["apply", "revert", "is_applied", "status", "PatchStatus", "PatchError", "GOOD_STATES", "__version__"]
 
 install()

@@ -254,11 +254,14 @@ def _on_target_import(module: ModuleType) -> None:
 def install() -> PatchStatus:
     """What importing the package does: patch now if DeepSpeed's ZeRO module is loaded, else when it is imported.
 
-    Does not import DeepSpeed. Honours ``DS_OFFLOAD_PATCH_DISABLE``. Returns the resulting status.
+    Does not import DeepSpeed. Honours ``DS_OFFLOAD_PATCH_DISABLE``, and ``DS_OFFLOAD_PATCH_AUTO=0`` (the import
+    patches nothing; state ``not-applied``, ``apply()`` still patches). Returns the resulting status.
     """
     with _lock:
         if settings.disabled():
             return _set(DISABLED, f"{settings.DISABLE} is set")
+        if not settings.auto():
+            return _set(NOT_APPLIED, f"{settings.AUTO}=0: importing the package patches nothing; apply() does")
         if not deepspeed_installed():
             return _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
         if TARGET_MODULE not in sys.modules:

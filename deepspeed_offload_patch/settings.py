@@ -10,6 +10,8 @@ DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
 STRICT = "DS_OFFLOAD_PATCH_STRICT"
 #: ``1``: also apply the opt-in on-device gradient norm for ``step()`` (off by default).
 GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
+#: ``0``: importing the package does not patch (state ``not-applied``); ``apply()`` still does. On by default.
+AUTO = "DS_OFFLOAD_PATCH_AUTO"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -42,3 +44,8 @@ def strict() -> bool:
 
 def grad_norm() -> bool:
     return flag(GRAD_NORM)
+
+
+def auto() -> bool:
+    """Whether importing the package patches: on unless ``DS_OFFLOAD_PATCH_AUTO`` is ``0/false/no/off``."""
+    return os.environ.get(AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
