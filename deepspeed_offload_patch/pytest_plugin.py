@@ -3,5 +3,4 @@
 """The pytest plugin's former module name: ``pytest_ds_offload_patch`` is the plugin (this module is kept for
 environments installed before it moved; importing it imports the package, which patches)."""
 
-from pytest_ds_offload_patch import (host_sync_counter, no_host_sync, pytest_addoption,  # noqa: F401
-                                     pytest_configure)
+from pytest_ds_offload_patch import host_sync_counter, no_host_sync, pytest_addoption, pytest_configure  # noqa: F401
