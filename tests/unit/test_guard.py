@@ -44,7 +44,9 @@ def test_installed_deepspeed_is_a_recorded_unfixed_form():
     from deepspeed_offload_patch import patcher
     for name in guard.fix_methods(DeepSpeedZeroOptimizer):
         original = patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
-        assert deepspeed.__version__ in UNFIXED[name][guard.fingerprint(original)], name
+        releases = UNFIXED[name][guard.fingerprint(original)]
+        # A build newer than the releases tested (0.19.9 from 0.19.8's sdist) has one of their forms.
+        assert guard.newer_than_tested(deepspeed.__version__) or deepspeed.__version__ in releases, name
 
 
 @pytest.mark.parametrize("version, supported, newer", [("0.14.0", True, False), ("0.16.9", True, False),
