@@ -3,7 +3,7 @@
 """Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table.
 
     python ci/matrix_table.py             # print
-    python ci/matrix_table.py --readme    # also write it into README.md between the matrix markers
+    python ci/matrix_table.py --readme    # also write it into ci/README.md between the matrix markers
     python ci/matrix_table.py --require RELEASE [RELEASE ...]   # exit 1 unless these have a passing result
                                                                  # (a variant build by its kind: truth-test, ...)
 """
@@ -47,35 +47,56 @@ def _tests(counts: dict) -> str:
     return f"{counts['passed']}/{total} passed"
 
 
-def render(results: list) -> str:
+def kept_rows(old_table: str, rerun: set) -> list:
+    """Rows of the previous table for PyPI releases that did not run again, in the current columns (a row of the
+    older 7-column layout gains "PyPI" and "–"). A release that was unsupported then is dropped: it is tested now."""
+    rows = []
+    for line in old_table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 7 or not cells[0][:1].isdigit() or cells[0] in rerun:
+            continue
+        if len(cells) == 7:
+            if cells[1] == "unsupported":
+                continue
+            cells = [cells[0], "PyPI", cells[1], cells[2], "–", *cells[3:]]
+        if cells[1] == "PyPI":
+            rows.append((Version(cells[0]), "| " + " | ".join(cells) + " |"))
+    return rows
+
+
+def render(results: list, kept: list = ()) -> str:
     lines = [
         "| DeepSpeed | built from | state on import | tests | red/green | fix / grad norm with the diffs applied "
         "| ZeRO tests on the diffs alone | result | commit |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    rows = []
     for r in results:
         diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
-        lines.append(f"| {r['release']} | {r.get('variant', 'PyPI')} | {r['state']} | {_tests(r['tests'])} | "
+        rows.append((Version(r["release"]),
+                     f"| {r['release']} | {r.get('variant', 'PyPI')} | {r['state']} | {_tests(r['tests'])} | "
                      f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
-                     f"{r.get('commit', '?')} |")
+                     f"{r.get('commit', '?')} |"))
+    lines += [line for _, line in sorted(list(kept) + rows, key=lambda row: row[0])]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", action="store_true", help="write the table into README.md")
+    parser.add_argument("--readme", action="store_true", help="write the table into ci/README.md")
     parser.add_argument("--require", nargs="*", default=[], help="releases that must have a passing result")
     args = parser.parse_args()
     results = load()
     table = render(results)
     print(table)
     if args.readme:
-        path = os.path.join(ROOT, "README.md")
+        path = os.path.join(ROOT, "ci", "README.md")
         with open(path) as f:
             text = f.read()
         head, rest = text.split(START, 1)
-        tail = rest.split(END, 1)[1]
+        old, tail = rest.split(END, 1)
+        table = render(results, kept_rows(old, {r["release"] for r in results if "variant" not in r}))
         with open(path, "w") as f:
             f.write(f"{head}{START}\n{table}{END}{tail}")
     # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>").
