@@ -13,6 +13,8 @@ They replace, on the class in ``deepspeed/runtime/zero/stage_1_and_2.py``, the m
   Python ``False``) into the uint8 tensor it all-reduces; the host reads it once, after the all-reduce.
 
 Signatures are unchanged, so callers such as ``deepspeed.utils.tensor_fragment.set_full_hp_grad`` need no change.
+Each function is the text of one method in DeepSpeed's file (``ci/make_patches.py`` writes ``patches/`` from them), so
+the forms repeat a few lines rather than share a helper that DeepSpeed's file would not have.
 """
 
 import torch
