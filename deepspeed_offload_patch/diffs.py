@@ -4,7 +4,7 @@
 
 import json
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Installed: copied into the package at build time. Source checkout: the repository's patches/.
@@ -35,10 +35,37 @@ def diff_for(version: str, grad_norm: bool = False) -> Tuple[str, str]:
 
 
 def diff_for_installed(grad_norm: bool = False) -> Tuple[str, str]:
-    """:func:`diff_for` the installed DeepSpeed. Raises LookupError when DeepSpeed is missing or has no diff."""
+    """:func:`diff_for` the installed DeepSpeed. For a DeepSpeed newer than the releases tested, the diff of the last
+    tested release whose methods it has, byte for byte (AST fingerprints); it imports DeepSpeed's ZeRO module to
+    find out. Raises LookupError when DeepSpeed is missing or has no diff."""
+    from deepspeed_offload_patch.guard import newer_than_tested
     from deepspeed_offload_patch.patcher import deepspeed_version
 
     version = deepspeed_version()
     if version is None:
         raise LookupError("DeepSpeed is not installed")
+    if newer_than_tested(version):
+        release = release_with_the_same_methods(grad_norm)
+        if release is not None:
+            return diff_for(release, grad_norm)
     return diff_for(version, grad_norm)
+
+
+def release_with_the_same_methods(grad_norm: bool = False) -> Optional[str]:
+    """The last tested release whose methods (the fix's, or with ``grad_norm`` the opt-in's) have the fingerprints of
+    the installed DeepSpeed's originals; None when there is none."""
+    import importlib
+
+    from packaging.version import Version
+
+    from deepspeed_offload_patch import guard, patcher
+    from deepspeed_offload_patch.fingerprints import UNFIXED
+
+    cls = getattr(importlib.import_module(patcher.TARGET_MODULE), patcher.TARGET_CLASS)
+    names = guard.GRAD_NORM.methods if grad_norm else guard.fix_methods(cls)
+    shipped = []
+    for name in names:
+        original = patcher._originals.get(name, cls.__dict__.get(name))
+        shipped.append(set(UNFIXED.get(name, {}).get(guard.fingerprint(original) if original else None, ())))
+    common = set.intersection(*shipped) if shipped else set()
+    return max(common, key=Version) if common else None

@@ -5,6 +5,7 @@ behavioural check, the diff, the launcher, and the pytest fixtures used from ano
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import textwrap
 
 import pytest
 
+from deepspeed_offload_patch import diffs
 from unit.common import assert_ok, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
@@ -35,6 +37,24 @@ def deepspeed_copy(tmp_path, deepspeed_dir, change) -> dict:
     shutil.copytree(deepspeed_dir, site / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
     change(site / TARGET)
     return {"PYTHONPATH": os.pathsep.join([str(site)] + [p for p in sys.path if p])}
+
+
+def test_diff_on_a_newer_build_is_the_diff_of_its_form(tmp_path, deepspeed_dir):
+    """DeepSpeed built as 0.19.9 with 0.19.8's code: ``diff`` gives the diff of the last release with those methods,
+    which applies to it."""
+
+    def newer(target):
+        path = target.parents[2] / "git_version_info_installed.py"
+        path.write_text(re.sub(r"version='[^']*'", "version='0.19.9'", path.read_text()))
+
+    env = deepspeed_copy(tmp_path, deepspeed_dir, newer)
+    import deepspeed
+    expected = diffs.diff_for(deepspeed.__version__)
+    result = cli("diff", env=env)
+    assert_ok(result)
+    assert result.stdout == expected[1] and expected[0] in result.stderr, result.stderr
+    status = json.loads(cli("status", "--json", env=env).stdout)
+    assert status["deepspeed_version"] == "0.19.9" and status["state"] == "applied", status
 
 
 def test_status_json_is_stable():
