@@ -25,8 +25,9 @@ from deepspeed_offload_patch.releases import PATCHED_RELEASES
 #: part of the version, so a local build of a release (``0.19.8+abc``) counts as that release.
 FIRST, LAST = PATCHED_RELEASES[0], PATCHED_RELEASES[-1]
 #: Why the line falls at ``FIRST``: said in the reason when an older DeepSpeed is found.
-OLDER_REASON = ("releases before 0.14.0 do not import with a current torch (they need torch 2.2 or older), and "
-                "before 0.13.3 the overflow check itself reads the host, which this fix does not change")
+OLDER_REASON = ("releases before 0.14.0 do not import with a current torch, their CPU accelerator needs Intel's "
+                "extension and oneCCL bindings, so they are untested; before 0.13.3 the overflow check itself reads "
+                "the host, which this fix does not change")
 
 
 @dataclass(frozen=True)
