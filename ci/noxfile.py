@@ -46,6 +46,9 @@ VARIANTS = {
     "fixed-differently": ("0.20.0", "fixed-differently", "upstream-fixed"),
     "0.20.0.dev0": ("0.20.0.dev0", None, "applied"),
 }
+# Releases the CPU matrix cannot run: 0.14.0's CPU accelerator imports oneccl_bindings_for_pytorch (0.14.1 falls back
+# to gloo). Its methods are those of 0.14.1 - 0.17.0 (the fingerprints) and its diff applies (sources).
+NOT_ON_CPU = ("0.14.0", )
 VARIANT_BASE = "0.19.8"
 REPORTS = os.path.join(ROOT, "reports", "matrix")
 TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
@@ -269,7 +272,8 @@ def _ok(result: dict) -> bool:
 def matrix(session: nox.Session) -> None:
     """Every supported release and every variant, then the table."""
     for version in PATCHED_RELEASES:
-        session.notify(f"release(deepspeed='{version}')", posargs=["core"])
+        if version not in NOT_ON_CPU:
+            session.notify(f"release(deepspeed='{version}')", posargs=["core"])
     for kind in VARIANTS:
         session.notify(f"variant(kind='{kind}')")
     session.notify("table")
