@@ -184,8 +184,8 @@ def probe_tracker(cls: type) -> Optional[str]:
     Fixed means: with ``check_grad_overflow`` off it checks nothing and leaves the flag alone; with it on, fed check
     results whose truth value raises (:class:`~deepspeed_offload_patch.testing.RaisingBoolTensor`), it reads nothing
     on the host (counted at the dispatcher) and leaves a tensor flag that is true exactly when a result was. Every
-    tensor stays on the CPU (device arguments are mapped to it), so probing touches no accelerator. Any exception
-    counts as not fixed. Only code that matches no known form is probed.
+    tensor stays on the CPU (device arguments are mapped to it); the tracker may still ask the accelerator for its
+    device name. Any exception counts as not fixed. Only code that matches no known form is probed.
     """
     import torch
 
