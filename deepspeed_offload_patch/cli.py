@@ -53,8 +53,11 @@ def resolve_status():
         with contextlib.redirect_stdout(sys.stderr):
             try:
                 importlib.import_module(patcher.TARGET_MODULE)
-            except Exception:
-                pass
+            except Exception as exc:
+                # DeepSpeed itself can fail to import before its ZeRO module is reached (0.14.0 with a torch it
+                # predates), so the import hook never hears of it: report it the same way.
+                if dop.status().state == patcher.PENDING:
+                    patcher._on_target_import_error(exc)
     return dop.status()
 
 

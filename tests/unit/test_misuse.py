@@ -143,6 +143,17 @@ def test_check_reports_a_zero_module_that_fails_to_import(tmp_path):
     assert "FAIL (unsupported)" in result.stdout and "failed to import (ImportError" in result.stdout, result
 
 
+def test_check_reports_a_deepspeed_that_fails_to_import_before_its_zero_module(tmp_path):
+    """DeepSpeed 0.14.0 with torch 2.13.0 fails in ``deepspeed/__init__.py``: the hook on the ZeRO module never hears
+    of it, and ``check`` must still say why, not ``pending``."""
+    env = _broken_deepspeed(tmp_path)
+    (tmp_path / "deepspeed" / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'log' from 'torch.distributed.elastic.agent.server.api'\")\n")
+    result = run_command([sys.executable, "-m", "deepspeed_offload_patch", "check"], env=env)
+    assert result.returncode == 1, result
+    assert "FAIL (unsupported)" in result.stdout and "cannot import name 'log'" in result.stdout, result
+
+
 def test_the_import_hook_passes_a_failing_import_through_and_waits_for_a_good_one(tmp_path):
     module = tmp_path / "flaky_target.py"
     module.write_text("raise KeyError('not yet')\n")
