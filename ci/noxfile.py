@@ -46,8 +46,9 @@ VARIANTS = {
     "fixed-differently": ("0.20.0", "fixed-differently", "upstream-fixed"),
     "0.20.0.dev0": ("0.20.0.dev0", None, "applied"),
 }
-# Releases the CPU matrix cannot run: 0.14.0's CPU accelerator imports oneccl_bindings_for_pytorch (0.14.1 falls back
-# to gloo). Its methods are those of 0.14.1 - 0.17.0 (the fingerprints) and its diff applies (sources).
+# Releases the CPU matrix cannot run: 0.14.0 does not import with torch 2.13.0, and its CPU accelerator imports
+# oneccl_bindings_for_pytorch (0.14.1 falls back to gloo). Its methods are those of 0.14.1 - 0.17.0 (the fingerprints)
+# and its diff applies (sources).
 NOT_ON_CPU = ("0.14.0", )
 VARIANT_BASE = "0.19.8"
 REPORTS = os.path.join(ROOT, "reports", "matrix")
