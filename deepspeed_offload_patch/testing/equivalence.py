@@ -414,6 +414,10 @@ def trace_runs(runs: Sequence[Run],
     import deepspeed_offload_patch
 
     warnings.simplefilter("ignore", FutureWarning)  # torch's notes on the collectives DeepSpeed calls
+    if load_root:
+        # DeepSpeed before 0.16 loads its checkpoints with torch.load's default, which from torch 2.6 refuses the loss
+        # scaler object DeepSpeed saved (weights_only). These are checkpoints this run's own ranks wrote.
+        os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     if setup is not None:
         setup()
     result: Dict[str, Any] = {
