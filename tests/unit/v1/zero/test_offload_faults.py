@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from deepspeed_offload_patch.testing.equivalence import (PATCHED, UNPATCHED, Fault, Run, bad_gradients_survive,
-                                                         differences, run_side, set_full_grad_reaches_tracker)
+                                                         differences, ranks_agree_on_overflow, run_side,
+                                                         set_full_grad_reaches_tracker)
 
 pytestmark = pytest.mark.equivalence
 
@@ -48,10 +49,12 @@ RUNS = (
     # Check off: the NaN is not detected and reaches the parameters, patched or not.
     *(Run("check-off", stage=2, precision="bf16-nocheck", steps=3, faults=(Fault(1, "nan", rank=0), ))
       for _ in range(bad_gradients_survive("bf16-nocheck"))),
-    # fp16 from a loss scale of 2**24: the first steps overflow on every rank, the scale drops, then it trains.
+    # fp16 from a loss scale of 2**24: the first steps overflow, the scale drops, then it trains. Not under ZeRO-1 on
+    # 0.17.x, where an overflow that one rank's partition sees and the other's does not makes the ranks disagree and
+    # abort, patched or not (ranks_agree_on_overflow).
     *(Run(
         f"fp16-scale-overflow-s{stage}", stage=stage, precision="fp16", grad_accum=2, steps=7, initial_scale_power=24)
-      for stage in (1, 2)),
+      for stage in (1, 2) if ranks_agree_on_overflow(stage)),
 )
 SCALE_OVERFLOW = [run.name for run in RUNS if run.initial_scale_power == 24]
 BY_NAME = {run.name: run for run in RUNS}
