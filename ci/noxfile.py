@@ -47,9 +47,12 @@ VARIANTS = {
     "fixed-differently": ("0.20.0", "fixed-differently", "upstream-fixed"),
     "0.20.0.dev0": ("0.20.0.dev0", None, "applied"),
 }
-# Releases the CPU matrix cannot run: 0.14.0 does not import with torch 2.13.0, and its CPU accelerator imports
-# oneccl_bindings_for_pytorch (0.14.1 falls back to gloo). Its methods are those of 0.14.1 - 0.17.0 (the fingerprints)
-# and its diff applies (sources).
+# Releases that do not import with torch 2.13.0 (their elastic agent imports torch's _get_socket_with_port, which torch
+# 2.5.1 and later no longer have): the torch they run on, with numpy 1 (their autotuner imports numpy.BUFSIZE).
+OLDER_TORCH = {release: ("torch==2.3.1", "numpy<2") for release in ("0.14.1", "0.14.2", "0.14.3")}
+# Releases the CPU matrix cannot run: 0.14.0 does not import with torch 2.13.0 either, and with torch 2.3.1 its CPU
+# accelerator requires intel_extension_for_pytorch, which the registry has from 2.6 only (for torch 2.6+, where 0.14.0
+# does not import). Its methods are those of 0.14.1 - 0.17.0 (the fingerprints) and its diff applies (sources).
 NOT_ON_CPU = ("0.14.0", )
 VARIANT_BASE = "0.19.8"
 REPORTS = os.path.join(ROOT, "reports", "matrix")
@@ -61,7 +64,8 @@ nox.options.envdir = os.path.join(ROOT, ".nox")
 
 
 def _install(session: nox.Session, version: str) -> None:
-    session.install("torch==2.13.0")  # first: a bare DeepSpeed install would pull a CUDA build of torch
+    # torch first: a bare DeepSpeed install would pull the newest CUDA build of torch.
+    session.install(*OLDER_TORCH.get(version, ("torch==2.13.0", )))
     session.install(f"deepspeed=={version}", "pytest", "packaging")
     session.install("--no-deps", "--force-reinstall", ROOT)
 

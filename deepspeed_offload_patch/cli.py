@@ -1,6 +1,7 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher.
+"""``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher,
+host-sync audit of a user's run.
 
 Exit codes of ``check`` (and of ``status`` and ``verify`` where they apply):
 
@@ -121,12 +122,43 @@ def _run_command(args) -> int:
     return run(command)
 
 
+def _audit_command(args) -> int:
+    from deepspeed_offload_patch.audit import audit
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("ds-offload-patch audit: give a command after --", file=sys.stderr)
+        return 2
+    budgets = {"max_backward_syncs": args.max_backward_syncs, "max_step_syncs": args.max_step_syncs}
+    return audit(command,
+                 steps=args.steps,
+                 stop_after=args.stop_after,
+                 json_path=args.json,
+                 budgets=budgets,
+                 compare=args.compare,
+                 top=args.top)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _budget(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds-offload-patch",
-                                     description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
-                                     "behavioural check, diff and launcher.",
-                                     epilog="Exit codes: 0 fix active (applied or upstream-fixed), 1 unsupported "
-                                     "(or verify failed), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled.")
+    parser = argparse.ArgumentParser(
+        prog="ds-offload-patch",
+        description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
+        "behavioural check, diff, launcher and host-sync audit.",
+        epilog="Exit codes: 0 fix active (applied or upstream-fixed), 1 unsupported "
+        "(or verify failed), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled; audit: see its --help.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     status = sub.add_parser("status", help="what the patch does with the installed DeepSpeed")
     status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
@@ -142,6 +174,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     run = sub.add_parser("run", help="run a command with the patch applied in every Python process it starts")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run_command)
+    audit = sub.add_parser("audit",
+                           help="count host syncs per training phase in the ranks of a command, with budgets",
+                           description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
+                           "engine's forward, boundary backward, other backward and step() for the first optimizer "
+                           "steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
+                           "step was counted, else 0.")
+    audit.add_argument("--steps", type=_positive, default=3, help="optimizer steps to count (default 3)")
+    audit.add_argument("--stop-after",
+                       action="store_true",
+                       help="end the run (exit 0) after the counted steps, for CI smoke runs")
+    audit.add_argument("--json", metavar="FILE", help="write every rank's numbers to FILE")
+    audit.add_argument("--max-backward-syncs",
+                       type=_budget,
+                       nargs="?",
+                       const=0,
+                       metavar="K",
+                       help="fail if a rank's boundary or other backward makes more than K host syncs in an optimizer "
+                       "step (K defaults to 0)")
+    audit.add_argument("--max-step-syncs",
+                       type=_budget,
+                       metavar="K",
+                       help="fail if a rank's step() calls make more than K host syncs in an optimizer step")
+    audit.add_argument("--compare",
+                       action="store_true",
+                       help="run the command twice, patch disabled then applied, and print both (budgets apply to "
+                       "the patched run)")
+    audit.add_argument("--top", type=_positive, default=3, help="source lines shown per phase (default 3)")
+    audit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    audit.set_defaults(func=_audit_command)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Imported by Python at start-up in every process whose PYTHONPATH holds this folder (``ds-offload-patch run``).
 
-It applies the patch (the package's import is lazy: DeepSpeed is not imported here) and then runs the
+It applies the patch (the package's import is lazy: DeepSpeed is not imported here), installs the host-sync
+audit when ``ds-offload-patch audit`` asked for it, and then runs the
 ``sitecustomize`` this one hides, if any, so a user's own start-up code keeps working.
 """
 
@@ -30,5 +31,16 @@ def _apply() -> None:
         print(f"[deepspeed_offload_patch] bootstrap: the patch was not loaded: {exc!r}", file=sys.stderr)
 
 
+def _audit() -> None:
+    if not os.environ.get("DS_OFFLOAD_PATCH_AUDIT_DIR"):
+        return
+    try:
+        from deepspeed_offload_patch import auditor
+        auditor.install_from_environment()
+    except Exception as exc:  # the run goes on unaudited; ``ds-offload-patch audit`` then reports no counted step
+        print(f"[deepspeed_offload_patch] bootstrap: the audit was not loaded: {exc!r}", file=sys.stderr)
+
+
 _apply()
+_audit()
 _run_hidden_sitecustomize()

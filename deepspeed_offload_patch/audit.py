@@ -1,0 +1,137 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch audit [options] -- COMMAND``: host syncs per training phase in a user's own run, with budgets.
+
+The command runs as ``ds-offload-patch run`` runs it (the patch applied in every Python process it starts, the
+ranks of ``deepspeed``, ``torchrun`` and ``accelerate launch`` included), with
+:mod:`~deepspeed_offload_patch.auditor` counting in each rank. Afterwards this process reads every rank's report,
+checks the budgets and writes ``--json``.
+
+Exit codes: the command's own code when it fails; 1 when a budget is exceeded, or when no rank counted a whole
+optimizer step (nothing was audited, which a CI gate must not take for a pass); 0 otherwise.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+from deepspeed_offload_patch import audit_report, auditor
+from deepspeed_offload_patch.launcher import patched_environment
+
+PREFIX = "ds-offload-patch audit"
+
+
+def _reports(folder: str) -> Tuple[List[Dict], bool]:
+    """The rank reports a run left in ``folder`` and whether rank 0 printed them already. Rank 0's gathered file
+    holds every rank (other nodes' too); without it (the run ended early) the per-rank files of this node are used."""
+    gathered = os.path.join(folder, auditor.REPORT)
+    if os.path.exists(gathered):
+        with open(gathered) as f:
+            data = json.load(f)
+        return data["ranks"], data.get("printed", False)
+    reports = []
+    for path in sorted(glob.glob(os.path.join(folder, "rank-*.json"))):
+        with open(path) as f:
+            reports.append(json.load(f))
+    return sorted(reports, key=lambda r: r["rank"]), False
+
+
+def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switches: Dict[str, str],
+              quiet: bool) -> Tuple[int, List[Dict], bool]:
+    with tempfile.TemporaryDirectory(prefix="ds-offload-patch-audit-") as folder:
+        env = patched_environment()
+        env.update(switches)
+        env.update({
+            auditor.DIR: folder,
+            auditor.STEPS: str(steps),
+            auditor.STOP_AFTER: "1" if stop_after else "0",
+            auditor.TOP: str(max(10, top)),
+            auditor.PRINT: "0" if quiet else "1",
+        })
+        try:
+            process = subprocess.Popen(command, env=env)
+        except OSError as exc:
+            print(f"{PREFIX}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            return 127, [], False
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT)
+            code = process.wait()
+        reports, printed = _reports(folder)
+    return code, reports, printed
+
+
+def audit(command: List[str],
+          steps: int = 3,
+          stop_after: bool = False,
+          json_path: Optional[str] = None,
+          budgets: Optional[Dict[str, Optional[int]]] = None,
+          compare: bool = False,
+          top: int = 3) -> int:
+    """Run ``command`` audited (twice with ``compare``: patch disabled, then applied) and report; see the module doc
+    for the exit codes. ``budgets`` maps ``max_backward_syncs``/``max_step_syncs`` to a limit per rank, phase and
+    optimizer step (None: no limit); with ``compare`` they apply to the patched run."""
+    budgets = budgets or {}
+    plan = [("unpatched", {
+        "DS_OFFLOAD_PATCH_DISABLE": "1"
+    }), ("patched", {
+        "DS_OFFLOAD_PATCH_DISABLE": "0"
+    })] if compare else [("run", {})]
+    runs: Dict[str, List[Dict]] = {}
+    codes: Dict[str, int] = {}
+    for name, switches in plan:
+        if compare:
+            print(f"{PREFIX}: {name} run: {' '.join(command)}", flush=True)
+        codes[name], runs[name], printed = _run_once(command, steps, stop_after, top, switches, quiet=compare)
+        if runs[name] and not printed and not compare:  # rank 0 did not get to print it
+            print(audit_report.table(runs[name], top), flush=True)
+    if compare and all(runs.values()):
+        print(audit_report.compare_table(runs, top), flush=True)
+
+    gated = "patched" if compare else "run"
+    violations = audit_report.check_budgets(runs[gated], budgets, top) if runs[gated] else []
+    failures = []
+    for name in runs:
+        which = "the command" if name == "run" else f"the {name} run"
+        if codes[name] != 0:
+            failures.append(f"{which} exited with code {codes[name]}")
+        if not any(report["steps"] for report in runs[name]):
+            failures.append(f"{which} counted no DeepSpeed optimizer step (no engine.step() that advanced "
+                            f"global_steps in any rank): nothing was audited")
+    failures.extend(str(v) for v in violations)
+    if json_path:
+        _write_json(json_path, command, steps, budgets, runs, codes, failures)
+    for failure in failures:
+        print(f"{PREFIX}: FAIL: {failure}", flush=True)
+    if not failures:
+        limits = " ".join(f"--{option.replace('_', '-')} {limit}" for option, limit in budgets.items()
+                          if limit is not None)
+        print(f"{PREFIX}: OK" + (f": every rank within {limits}" if limits else ""), flush=True)
+    failed = [code for code in codes.values() if code != 0]
+    return failed[0] if failed else (1 if failures else 0)
+
+
+def _write_json(path: str, command, steps, budgets, runs, codes, failures) -> None:
+    import deepspeed_offload_patch as dop
+    data = {
+        "package_version": dop.__version__,
+        "command": command,
+        "steps": steps,
+        "budgets": budgets,
+        "runs": {
+            name: {
+                "exit_code": codes[name],
+                "ranks": reports
+            }
+            for name, reports in runs.items()
+        },
+        "failures": failures,
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)

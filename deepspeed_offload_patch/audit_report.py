@@ -1,0 +1,131 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch audit``'s numbers as people read them: the per-rank table, the top lines, budget checks.
+
+Every function takes rank reports as :mod:`deepspeed_offload_patch.auditor` writes them (a list of dicts, one per
+rank) and never imports DeepSpeed or torch, so rank 0 and the command that launched the run print the same text.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from deepspeed_offload_patch.auditor import PHASE_TITLES, PHASES
+
+#: The budgets the command line can set: option -> the phases it limits.
+BUDGET_PHASES = {
+    "max_backward_syncs": ("boundary_backward", "other_backward"),
+    "max_step_syncs": ("step", ),
+}
+
+
+def _fmt(values: Sequence[Optional[int]]) -> str:
+    return " ".join(f"{'-' if v is None else v:>3}" for v in values)
+
+
+def _column(report: Dict, phase: str) -> List[int]:
+    return [step[phase] for step in report["steps"]]
+
+
+def _header(reports: List[Dict]) -> str:
+    first = reports[0]
+    counted = min(len(r["steps"]) for r in reports)
+    partial = "" if all(r["complete"] for r in reports) else f" (the run ended after {counted})"
+    wanted = first["steps_wanted"]
+    return (
+        f"first {wanted} optimizer step{'s' if wanted != 1 else ''}{partial}; DeepSpeed {first['deepspeed_version']}, "
+        f"patch {first['patch_state']}")
+
+
+def _rows(reports: List[Dict], run: Optional[str] = None) -> List[str]:
+    rows = []
+    for report in sorted(reports, key=lambda r: r["rank"]):
+        cells = "".join(f"{_fmt(_column(report, phase)):<20} " for phase in PHASES)
+        prefix = f"{run:<10} " if run is not None else ""
+        rows.append(f"{prefix}{report['rank']:>4}  {cells.rstrip()}")
+        if report.get("cuda_syncs"):
+            cuda = "".join(f"{_fmt([s[phase] if s else None for s in report['cuda_syncs']]):<20} " for phase in PHASES)
+            rows.append(f"{' ' * len(prefix)}{'cuda':>4}  {cuda.rstrip()}")
+    return rows
+
+
+def _columns(with_run: bool) -> str:
+    titles = "".join(f"{PHASE_TITLES[phase]:<20} " for phase in PHASES).rstrip()
+    return f"{'run':<10} {'rank':>4}  {titles}" if with_run else f"{'rank':>4}  {titles}"
+
+
+def top_lines(reports: List[Dict], phase: str, limit: int = 3) -> List[str]:
+    """The source lines with the most host syncs in ``phase``, summed over ranks: ``count  file:line (code)  op``."""
+    totals: Counter = Counter()
+    for report in reports:
+        for entry in report["top"][phase]:
+            totals[(entry["line"], entry["op"])] += entry["count"]
+    return [f"{count:>5}  {line}  {op}" for (line, op), count in totals.most_common(limit)]
+
+
+def table(reports: List[Dict], top: int = 3) -> str:
+    """The table rank 0 prints after the counted steps: one row per rank, a column per phase, and per phase the
+    source lines with the most host syncs. ``cuda`` rows (CUDA only) count ``cuda*Synchronize`` calls."""
+    lines = [
+        "", f"[ds-offload-patch audit] host syncs per optimizer step (one number per step), {_header(reports)}",
+        _columns(False)
+    ] + _rows(reports)
+    lines.append("top lines per phase (host syncs summed over ranks and counted steps):")
+    for phase in PHASES:
+        found = top_lines(reports, phase, top)
+        lines.append(f"  {PHASE_TITLES[phase]}:" + ("" if found else " none"))
+        lines.extend(f"    {line}" for line in found)
+    return "\n".join(lines)
+
+
+def compare_table(runs: Dict[str, List[Dict]], top: int = 3) -> str:
+    """Runs side by side (``unpatched``, ``patched``), as ``ci/demo.sh`` prints them, with each run's top lines in
+    the backward phases."""
+    lines = ["", "[ds-offload-patch audit --compare] host syncs per optimizer step (one number per step)"]
+    for name, reports in runs.items():
+        lines.append(f"  {name}: {_header(reports)}")
+    lines.append(_columns(True))
+    for name, reports in runs.items():
+        lines.extend(_rows(reports, run=name))
+    for name, reports in runs.items():
+        for phase in ("boundary_backward", "other_backward"):
+            found = top_lines(reports, phase, top)
+            if found:
+                lines.append(f"top lines, {name}, {PHASE_TITLES[phase]}:")
+                lines.extend(f"    {line}" for line in found)
+    return "\n".join(lines)
+
+
+@dataclass
+class Violation:
+    """One phase of one rank over its budget."""
+
+    phase: str
+    rank: int
+    step: int
+    count: int
+    budget: int
+    top: List[str]
+
+    def __str__(self) -> str:
+        where = "; ".join(line.strip() for line in self.top) or "no source line recorded"
+        return (f"{PHASE_TITLES[self.phase]}: rank {self.rank} made {self.count} host syncs in optimizer step "
+                f"{self.step} (budget {self.budget}); top lines: {where}")
+
+
+def check_budgets(reports: List[Dict], budgets: Dict[str, Optional[int]], top: int = 3) -> List[Violation]:
+    """The worst step of each rank and phase whose count is over its budget (``budgets`` maps the keys of
+    :data:`BUDGET_PHASES` to a limit, or None for no limit). Each violation names the rank's top lines there."""
+    violations = []
+    for option, limit in budgets.items():
+        if limit is None:
+            continue
+        for phase in BUDGET_PHASES[option]:
+            for report in sorted(reports, key=lambda r: r["rank"]):
+                counts = _column(report, phase)
+                if not counts or max(counts) <= limit:
+                    continue
+                worst = max(range(len(counts)), key=counts.__getitem__)
+                violations.append(
+                    Violation(phase, report["rank"], worst + 1, counts[worst], limit, top_lines([report], phase, top)))
+    return violations

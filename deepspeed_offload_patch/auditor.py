@@ -1,0 +1,304 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Inside each rank of ``ds-offload-patch audit``: host syncs counted per training phase and optimizer step.
+
+The bootstrap ``sitecustomize`` calls :func:`install_from_environment` in every Python process of the audited
+command. Once ``deepspeed.runtime.engine`` is imported, ``DeepSpeedEngine.forward``, ``backward`` and ``step`` are
+wrapped (on the class, so engines that HF Trainer or Accelerate create are covered): each call runs under
+:func:`~deepspeed_offload_patch.testing.count_host_syncs` and its count goes to one phase of the current optimizer step:
+
+* ``forward``: the engine's forward passes;
+* ``boundary_backward``: ``backward()`` of the micro-batch that ends a gradient accumulation (where ZeRO reduces the
+  gradients and, with offload, checks them for inf/NaN);
+* ``other_backward``: the other micro-batches' ``backward()``;
+* ``step``: every ``step()`` call (the one at the boundary updates the parameters).
+
+An optimizer step ends with the ``step()`` call that advances the engine's ``global_steps``. After ``steps`` of them, each rank writes
+its report (``rank-<R>.json`` in the audit folder), rank 0 gathers every rank's and prints the table, and the wrappers
+stop counting (or, with ``stop_after``, the process exits 0). A process that ends before that writes what it counted.
+On CUDA, each call also runs under ``torch.profiler`` to count ``cuda*Synchronize`` calls, unless another profiler is
+already running (then those counts are ``null``). Counting only observes: the ops run as they would without it.
+"""
+
+import atexit
+import functools
+import json
+import os
+import sys
+import threading
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional
+
+from deepspeed_offload_patch import import_hook
+
+#: The folder the rank reports go to; the audit is on in a process only when this is set.
+DIR = "DS_OFFLOAD_PATCH_AUDIT_DIR"
+#: How many optimizer steps to count (default 3).
+STEPS = "DS_OFFLOAD_PATCH_AUDIT_STEPS"
+#: ``1``: end the process (exit 0) once the counted steps are reported.
+STOP_AFTER = "DS_OFFLOAD_PATCH_AUDIT_STOP_AFTER"
+#: How many source lines per phase each rank keeps (default 10).
+TOP = "DS_OFFLOAD_PATCH_AUDIT_TOP"
+#: ``0``: rank 0 does not print the table (``audit --compare`` prints both runs side by side instead).
+PRINT = "DS_OFFLOAD_PATCH_AUDIT_PRINT"
+
+ENGINE_MODULE = "deepspeed.runtime.engine"
+PHASES = ("forward", "boundary_backward", "other_backward", "step")
+PHASE_TITLES = {
+    "forward": "forward",
+    "boundary_backward": "boundary backward",
+    "other_backward": "other backward",
+    "step": "step()",
+}
+CUDA_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+REPORT = "report.json"
+
+
+def _short(where: str) -> str:
+    """A source location without the site-packages prefix: ``deepspeed/runtime/zero/stage_1_and_2.py:1502 (...)``."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in where:
+            return where.split(marker, 1)[1]
+    return where
+
+
+class PhaseCounts:
+    """One process's counts: a dict of phase counts per optimizer step, and the source lines behind them."""
+
+    def __init__(self, steps: int, top: int):
+        self.steps_wanted = steps
+        self.top = top
+        self.steps: List[Dict[str, int]] = []
+        self.cuda_steps: List[Optional[Dict[str, int]]] = []
+        self.lines: Dict[str, Counter] = {phase: Counter() for phase in PHASES}
+        self.current = self._empty()
+        self.current_cuda: Optional[Dict[str, int]] = None
+        self.cuda_available = True
+        self.calls = 0
+        self.done = False
+        self.local = threading.local()
+
+    @staticmethod
+    def _empty() -> Dict[str, int]:
+        return {phase: 0 for phase in PHASES}
+
+    def add(self, phase: str, events, cuda: Optional[Dict[str, int]]) -> None:
+        self.calls += 1
+        self.current[phase] += len(events)
+        for op, where in events:
+            self.lines[phase][(_short(where), op)] += 1
+        if cuda is None:
+            self.cuda_available = False
+        elif self.cuda_available:
+            self.current_cuda = self.current_cuda or self._empty()
+            self.current_cuda[phase] += sum(cuda.values())
+
+    def end_step(self) -> None:
+        self.steps.append(self.current)
+        self.cuda_steps.append(self.current_cuda)
+        self.current = self._empty()
+        self.current_cuda = None
+        if len(self.steps) >= self.steps_wanted:
+            self.done = True
+
+    def report(self, rank: int, world_size: int, engine=None) -> Dict[str, Any]:
+        """This process's numbers, as the audit's JSON holds them for each rank."""
+        patch = sys.modules.get("deepspeed_offload_patch")
+        deepspeed = sys.modules.get("deepspeed")
+        cuda = self.cuda_available and any(c is not None for c in self.cuda_steps)
+        return {
+            "rank": rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "deepspeed_version": getattr(deepspeed, "__version__", None),
+            "patch_state": patch.status().state if patch is not None else "not-loaded",
+            "device": str(getattr(engine, "device", "")) or None,
+            "steps_wanted": self.steps_wanted,
+            "complete": self.done,
+            "steps": self.steps,
+            "cuda_syncs": self.cuda_steps if cuda else None,
+            "top": {
+                phase: [{
+                    "line": line,
+                    "op": op,
+                    "count": count
+                } for (line, op), count in self.lines[phase].most_common(self.top)]
+                for phase in PHASES
+            },
+        }
+
+
+_state: Optional[PhaseCounts] = None
+_written = False
+
+
+def _rank_and_world(engine=None):
+    comm = sys.modules.get("deepspeed.comm")
+    try:
+        if comm is not None and comm.is_initialized():
+            return comm.get_rank(), comm.get_world_size()
+    except Exception:  # a backend being torn down must not stop the report
+        pass
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cuda_profiler():
+    """A started-on-enter profiler of CUDA runtime calls, or None off CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
+    """``method`` wrapped so that each call's host syncs go to the phase ``phase_of(engine)`` names (decided before
+    the call: ``backward()`` moves the micro-step counter). Nested engine calls count once."""
+    from deepspeed_offload_patch.testing import count_host_syncs
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        state = _state
+        if state is None or state.done or getattr(state.local, "active", False):
+            return method(self, *args, **kwargs)
+        phase = phase_of(self)
+        steps_before = getattr(self, "global_steps", None)
+        state.local.active = True
+        cuda = None
+        try:
+            profiler = _cuda_profiler() if state.cuda_available else None
+            try:
+                if profiler is not None:
+                    profiler.__enter__()
+            except RuntimeError:  # the run's own profiler is on: no CUDA counts, the rest as usual
+                profiler = None
+                state.cuda_available = False
+            try:
+                with count_host_syncs() as syncs:
+                    result = method(self, *args, **kwargs)
+            finally:
+                if profiler is not None:
+                    profiler.__exit__(None, None, None)
+                    cuda = Counter()
+                    for event in profiler.key_averages():
+                        if event.key in CUDA_SYNC_EVENTS:
+                            cuda[event.key] += event.count
+        finally:
+            state.local.active = False
+        state.add(phase, syncs.events, dict(cuda) if cuda is not None else None)
+        # An optimizer step ends when step() advances global_steps (skipped steps too, in every release).
+        if phase == "step" and getattr(self, "global_steps", None) != steps_before:
+            state.end_step()
+            if state.done:
+                _finish(self)
+        return result
+
+    wrapper.__ds_offload_patch_audit__ = method
+    return wrapper
+
+
+def _backward_phase(engine) -> str:
+    return "boundary_backward" if engine.is_gradient_accumulation_boundary() else "other_backward"
+
+
+def _folder() -> str:
+    return os.environ[DIR]
+
+
+def _write(name: str, data: Any) -> None:
+    path = os.path.join(_folder(), name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _gather(report: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+    """Every rank's report on every rank (a collective: each rank calls it after the same optimizer step)."""
+    comm = sys.modules.get("deepspeed.comm")
+    if comm is None or not comm.is_initialized() or comm.get_world_size() == 1:
+        return [report]
+    gather = getattr(comm, "all_gather_object", None)
+    if gather is None:
+        # DeepSpeed before 0.17.1 has no all_gather_object in deepspeed.comm; its process group is torch's.
+        import torch.distributed as torch_dist
+        gather = torch_dist.all_gather_object
+    reports: List[Any] = [None] * comm.get_world_size()
+    gather(reports, report)
+    return reports
+
+
+def _finish(engine) -> None:
+    """The counted steps are done: write this rank's report; rank 0 prints every rank's; stop if asked."""
+    global _written
+    from deepspeed_offload_patch import audit_report
+
+    rank, world = _rank_and_world(engine)
+    report = _state.report(rank, world, engine)
+    _write(f"rank-{rank}.json", report)
+    _written = True
+    reports = _gather(report)
+    if rank == 0 and reports is not None:
+        _write(REPORT, {"ranks": reports, "printed": True})
+        if os.environ.get(PRINT) != "0":
+            print(audit_report.table(reports), flush=True)
+    if os.environ.get(STOP_AFTER) == "1":
+        print(f"[ds-offload-patch audit] rank {rank}: stopping after {_state.steps_wanted} counted steps", flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(0)
+
+
+def _at_exit() -> None:
+    """A process that trained but ended before the counted steps were done still reports what it counted."""
+    if _state is None or _written or _state.calls == 0:
+        return
+    rank, world = _rank_and_world()
+    try:
+        _write(f"rank-{rank}.json", _state.report(rank, world))
+    except OSError:
+        pass
+
+
+def instrument(module) -> None:
+    """Wrap ``DeepSpeedEngine.forward/backward/step`` in ``module`` (``deepspeed.runtime.engine``) once."""
+    engine_class = module.DeepSpeedEngine
+    wrappers = {
+        "forward": lambda engine: "forward",
+        "backward": _backward_phase,
+        "step": lambda engine: "step",
+    }
+    for name, phase_of in wrappers.items():
+        original = engine_class.__dict__.get(name)
+        if original is None or hasattr(original, "__ds_offload_patch_audit__"):
+            continue
+        setattr(engine_class, name, _counted(phase_of, original))
+
+
+def install(steps: int = 3, top: int = 10) -> None:
+    """Count the first ``steps`` optimizer steps of the DeepSpeed engines in this process (see the module doc).
+
+    DeepSpeed is not imported here: the engine class is wrapped when ``deepspeed.runtime.engine`` is imported.
+    """
+    global _state
+    if _state is not None:
+        return
+    _state = PhaseCounts(steps, top)
+    atexit.register(_at_exit)
+    import_hook.when_imported(ENGINE_MODULE, instrument)
+
+
+def install_from_environment() -> bool:
+    """:func:`install` when ``DS_OFFLOAD_PATCH_AUDIT_DIR`` is set (by ``ds-offload-patch audit``); returns whether it
+    did. Bad numbers in the other variables fall back to the defaults."""
+    if not os.environ.get(DIR):
+        return False
+
+    def number(name: str, default: int) -> int:
+        try:
+            return max(1, int(os.environ.get(name, default)))
+        except ValueError:
+            return default
+
+    install(steps=number(STEPS, 3), top=number(TOP, 10))
+    return True
