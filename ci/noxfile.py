@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 
 # CI's set, one per form of the methods: the last release of the 0.14.0-0.17.0 form, the first of the 0.17.x form,
-# the latest (the 0.18.0+ form; its check returns bool, the others' fp32). CI runs the first two with "core", and the
-# latest (whose whole suite ci/test.sh runs) and the first three variants with "lite".
+# the latest (the 0.18.0+ form; its check returns bool, the others' fp32). CI runs the first with "core" (and its
+# red/green run), the other two (0.19.8's whole suite runs in ci/test.sh) and the first three variants with "lite".
 REPRESENTATIVE = ("0.16.9", "0.17.1", "0.19.8")
 # Releases whose ZeRO suite also runs with the patch disabled (ci/check_red_green.py): the per-parameter form (ci/test.sh
 # does it for the installed 0.19.8).

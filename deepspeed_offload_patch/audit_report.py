@@ -80,7 +80,7 @@ def table(reports: List[Dict], top: int = 3) -> str:
 
 def compare_table(runs: Dict[str, List[Dict]], top: int = 3) -> str:
     """Runs side by side (``unpatched``, ``patched``), as ``ci/demo.sh`` prints them, with each run's top lines in
-    the backward phases."""
+    each phase that has any."""
     lines = ["", "[ds-offload-patch audit --compare] host syncs per optimizer step (one number per step)"]
     for name, reports in runs.items():
         lines.append(f"  {name}: {_header(reports)}")
@@ -88,7 +88,7 @@ def compare_table(runs: Dict[str, List[Dict]], top: int = 3) -> str:
     for name, reports in runs.items():
         lines.extend(_rows(reports, run=name))
     for name, reports in runs.items():
-        for phase in ("boundary_backward", "other_backward"):
+        for phase in PHASES:
             found = top_lines(reports, phase, top)
             if found:
                 lines.append(f"top lines, {name}, {PHASE_TITLES[phase]}:")

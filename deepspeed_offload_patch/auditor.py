@@ -53,12 +53,19 @@ PHASE_TITLES = {
 CUDA_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 REPORT = "report.json"
 
+_import_roots: Optional[List[str]] = None
+
 
 def _short(where: str) -> str:
-    """A source location without the site-packages prefix: ``deepspeed/runtime/zero/stage_1_and_2.py:1502 (...)``."""
-    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
-        if marker in where:
-            return where.split(marker, 1)[1]
+    """A source location relative to the import root it lies under (site-packages, a source checkout, the script's
+    folder): ``deepspeed/runtime/zero/stage_1_and_2.py:1502 (...)``."""
+    global _import_roots
+    if _import_roots is None:
+        roots = {os.path.abspath(p or os.curdir) for p in sys.path}
+        _import_roots = sorted((r + os.sep for r in roots if os.path.isdir(r)), key=len, reverse=True)
+    for root in _import_roots:
+        if where.startswith(root):
+            return where[len(root):]
     return where
 
 

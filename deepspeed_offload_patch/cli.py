@@ -152,7 +152,8 @@ def _budget(text: str) -> int:
     return value
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ds-offload-patch`` argument parser (each subcommand sets ``func``)."""
     parser = argparse.ArgumentParser(
         prog="ds-offload-patch",
         description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
@@ -203,7 +204,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     audit.add_argument("--top", type=_positive, default=3, help="source lines shown per phase (default 3)")
     audit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     audit.set_defaults(func=_audit_command)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -17,8 +17,9 @@ def pytest_configure(config):
         "markers", "fails_unpatched: the test exists for the patch and must fail on unpatched DeepSpeed "
         "(checked by ci/check_red_green.py)")
     config.addinivalue_line(
-        "markers", "equivalence: the test trains in patched and in unpatched processes of its own and compares them; "
-        "the DS_OFFLOAD_PATCH_* switches of the pytest process do not change it")
+        "markers", "equivalence: the test sets the patch switch of the processes it trains in itself (patched and "
+        "unpatched, and compares them, or one of the two); the DS_OFFLOAD_PATCH_* switches of the pytest process do not "
+        "change it")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -7,6 +7,7 @@ unaudited one."""
 import json
 import os
 import re
+import shutil
 import sys
 
 import pytest
@@ -15,52 +16,11 @@ from deepspeed_offload_patch import audit_report
 from unit.common import assert_ok, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
-LAYERS = 20  # Linear layers: 40 parameter tensors, 20 in each rank's partition
-TENSORS = 2 * LAYERS
+TENSORS = 40  # ci/smoke_train.py's default: 20 Linear layers, 20 tensors in each rank's partition
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
 
-# A training script as a user writes one: nothing in it knows about the audit or the patch.
-TRAIN = """
-import argparse
-
-import deepspeed
-import torch
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--local_rank", type=int, default=-1)
-parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--nan-step", type=int, default=-1)
-parser.add_argument("--save", default=None)
-args = parser.parse_args()
-
-torch.manual_seed(0)
-model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range({layers})])
-config = {{
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 2,
-    "optimizer": {{"type": "Adam", "params": {{"lr": 1e-3, "torch_adam": True}}}},
-    "bf16": {{"enabled": True, "check_grad_overflow": True}},
-    "zero_optimization": {{"stage": 2, "offload_optimizer": {{"device": "cpu"}}}},
-}}
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-data = torch.Generator().manual_seed(1 + engine.global_rank)
-last = model[-1].weight
-for micro in range(2 * args.steps):
-    x = torch.randn(4, 16, generator=data).to(engine.device, torch.bfloat16)
-    loss = engine(x).float().pow(2).mean()
-    hook = None
-    if micro == 2 * args.nan_step + 1 and engine.global_rank == 0:
-        hook = last.register_hook(lambda g: torch.full_like(g, float("nan")))
-    engine.backward(loss)
-    if hook is not None:
-        hook.remove()
-    engine.step()
-print(f"rank {{engine.global_rank}} done: {{engine.global_steps}} steps, {{engine.skipped_steps}} skipped", flush=True)
-if args.save:
-    state = {{name: p.detach().clone() for name, p in engine.module.named_parameters()}}
-    state["skipped"] = torch.tensor(engine.skipped_steps)
-    torch.save(state, f"{{args.save}}.{{engine.global_rank}}")
-""".format(layers=LAYERS)
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ci",
+                      "smoke_train.py")
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -68,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 @pytest.fixture(scope="module")
 def script(tmp_path_factory):
     folder = tmp_path_factory.mktemp("user_repo")
-    (folder / "train.py").write_text(TRAIN)
+    shutil.copy(SCRIPT, folder / "train.py")  # the user's repository: a folder with its training script
     return folder
 
 
@@ -133,21 +93,25 @@ def test_budget_fails_without_the_patch_and_names_the_tracker_line(script):
 
 @pytest.mark.fails_unpatched
 def test_an_audited_run_trains_exactly_like_an_unaudited_one(script, tmp_path):
-    """Counting changes nothing: after 3 steps (2 counted, one with a NaN gradient on rank 0) the parameters and the
-    skipped steps equal a run without the audit, bit for bit. The patched backward keeps a budget of 0 host syncs.
+    """Counting changes nothing: after 3 steps (2 counted, one with a NaN gradient on rank 0 where DeepSpeed survives
+    it) the parameters and the skipped steps equal a run without the audit, bit for bit. The patched backward keeps a budget of 0 host syncs.
 
     The runs follow this process's patch switch (so ``ci/check_red_green.py`` sees the budget fail unpatched)."""
     import torch
 
+    from deepspeed_offload_patch.testing.equivalence import bad_gradients_survive
+
     env = {DISABLE: os.environ.get(DISABLE, "0")}
-    common = [*TORCHRUN, "--steps", "3", "--nan-step", "1"]
+    # DeepSpeed 0.14.0 - 0.17.0 fail in step() on a bad bf16 gradient, patched or not: no NaN there.
+    nan = bad_gradients_survive("bf16")
+    common = [*TORCHRUN, "--steps", "3", "--nan-step", "1" if nan else "-1"]
     audited = launched(
         ["audit", "--steps", "2", "--max-backward-syncs", "--", *common, "--save",
          str(tmp_path / "audited")],
         script,
         env=env)
     plain = assert_ok(launched(["run", "--", *common, "--save", str(tmp_path / "plain")], script, env=env))
-    assert "rank 0 done: 3 steps, 1 skipped" in plain, plain
+    assert f"rank 0 done: 3 steps, {int(nan)} skipped" in plain, plain
     for rank in (0, 1):
         with_audit = torch.load(tmp_path / f"audited.{rank}")
         without = torch.load(tmp_path / f"plain.{rank}")
@@ -204,3 +168,17 @@ def test_budgets_name_the_worst_step_of_each_rank_and_phase():
     assert [(v.phase, v.rank, v.step, v.count) for v in violations] == [("step", 0, 1, 3), ("step", 1, 2, 4)]
     assert "step(): rank 1 made 4 host syncs in optimizer step 2 (budget 2)" in str(violations[1])
     assert audit_report.check_budgets(reports, {"max_backward_syncs": 7, "max_step_syncs": None}) == []
+
+
+def test_the_ci_template_audit_command_parses():
+    """The command in ci/templates/ds-offload-patch.yml is one this version accepts, with the budgets it says."""
+    import shlex
+
+    from deepspeed_offload_patch import cli
+
+    template = os.path.join(os.path.dirname(os.path.dirname(SCRIPT)), "ci", "templates", "ds-offload-patch.yml")
+    text = open(template).read().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.strip().startswith("ds-offload-patch audit"))
+    args = cli.build_parser().parse_args(shlex.split(line)[1:])
+    assert args.cmd == "audit" and args.stop_after and args.json and args.command[0] == "--", args
+    assert (args.steps, args.max_backward_syncs, args.max_step_syncs) == (2, 0, 64)
