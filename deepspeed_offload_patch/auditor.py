@@ -149,10 +149,17 @@ def _rank_and_world(engine=None):
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _cuda_profiler():
-    """A started-on-enter profiler of CUDA runtime calls, or None off CUDA."""
+def _profiler_running() -> bool:
     import torch
-    if not torch.cuda.is_available():
+    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else True
+
+
+def _cuda_profiler():
+    """A profiler of CUDA runtime calls, or None off CUDA. None too while another profiler runs: a second one starts
+    without complaint, but records nothing and stops the first when it stops."""
+    import torch
+    if not torch.cuda.is_available() or _profiler_running():
         return None
     from torch.profiler import ProfilerActivity, profile
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -174,12 +181,8 @@ def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
         cuda = None
         try:
             profiler = _cuda_profiler() if state.cuda_available else None
-            try:
-                if profiler is not None:
-                    profiler.__enter__()
-            except RuntimeError:  # the run's own profiler is on: no CUDA counts, the rest as usual
-                profiler = None
-                state.cuda_available = False
+            if profiler is not None:
+                profiler.__enter__()
             try:
                 with count_host_syncs() as syncs:
                     result = method(self, *args, **kwargs)

@@ -182,3 +182,101 @@ def test_the_ci_template_audit_command_parses():
     args = cli.build_parser().parse_args(shlex.split(line)[1:])
     assert args.cmd == "audit" and args.stop_after and args.json and args.command[0] == "--", args
     assert (args.steps, args.max_backward_syncs, args.max_step_syncs) == (2, 0, 64)
+
+
+def fake_engine_class():
+    """A stand-in for DeepSpeedEngine with its accumulation bookkeeping (2 micro-batches per optimizer step) and known
+    host reads: none in forward, 3 in the boundary backward, 1 in the other, 1 in the boundary step()."""
+    import torch
+
+    class Engine:
+
+        def __init__(self):
+            self.micro_steps = 0
+            self.global_steps = 0
+
+        def is_gradient_accumulation_boundary(self):
+            return (self.micro_steps + 1) % 2 == 0
+
+        def forward(self, x):
+            return x * 2
+
+        def backward(self, loss):
+            for _ in range(3 if self.is_gradient_accumulation_boundary() else 1):
+                bool(loss > 0)
+
+        def step(self):
+            if self.is_gradient_accumulation_boundary():
+                float(torch.ones(1).sum())
+                self.global_steps += 1
+            self.micro_steps += 1
+
+    return Engine
+
+
+@pytest.fixture
+def audit_state(tmp_path, monkeypatch):
+    """The auditor of this process, counting 2 steps into ``tmp_path``, on a fresh stand-in engine class."""
+    import types
+
+    from deepspeed_offload_patch import auditor
+
+    monkeypatch.setenv(auditor.DIR, str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(auditor, "_state", auditor.PhaseCounts(steps=2, top=5))
+    monkeypatch.setattr(auditor, "_written", False)
+    module = types.SimpleNamespace(DeepSpeedEngine=fake_engine_class())
+    auditor.instrument(module)
+    auditor.instrument(module)  # idempotent: wrapped once
+    assert module.DeepSpeedEngine.step.__ds_offload_patch_audit__.__name__ == "step"
+    return auditor, module.DeepSpeedEngine
+
+
+def train(engine_class, steps):
+    import torch
+
+    engine = engine_class()
+    for _ in range(2 * steps):
+        engine.backward(engine.forward(torch.ones(())))
+        engine.step()
+    return engine
+
+
+def test_each_call_counts_in_its_phase_and_counting_stops_after_the_steps(audit_state, tmp_path, capsys):
+    auditor, engine_class = audit_state
+    engine = train(engine_class, steps=3)
+    assert engine.global_steps == 3
+    expected = {"forward": 0, "boundary_backward": 3, "other_backward": 1, "step": 1}
+    assert auditor._state.steps == [expected, expected] and auditor._state.done
+    rank0 = json.loads((tmp_path / "rank-0.json").read_text())
+    assert rank0["steps"] == [expected, expected] and rank0["complete"] and rank0["cuda_syncs"] is None
+    top = rank0["top"]["boundary_backward"][0]
+    assert top["count"] == 6 and top["op"] == "aten._local_scalar_dense" and "bool(loss > 0)" in top["line"], top
+    assert json.loads((tmp_path / "report.json").read_text())["ranks"] == [rank0]
+    printed = capsys.readouterr().out
+    assert re.search(r"^ +0 +0 +0 +3 +3 +1 +1 +1 +1$", printed, re.M), printed
+
+
+def test_cuda_counts_come_from_a_profiler_around_each_call(audit_state, monkeypatch):
+    """The CUDA branch on the CPU: a CPU-only profiler stands in for the CUDA one (no cuda*Synchronize, so 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    auditor, engine_class = audit_state
+    started = []
+    monkeypatch.setattr(auditor, "_cuda_profiler",
+                        lambda: started.append(1) or profile(activities=[ProfilerActivity.CPU]))
+    train(engine_class, steps=2)
+    report = auditor._state.report(0, 1)
+    assert report["cuda_syncs"] == [{phase: 0 for phase in auditor.PHASES}] * 2 and len(started) == 12
+    assert re.search(r"^cuda( +0){8}$", audit_report.table([report]), re.M), audit_report.table([report])
+
+
+def test_no_second_profiler_while_the_runs_own_is_on():
+    """A second torch profiler would record nothing and stop the run's own one: the audit then counts no CUDA syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepspeed_offload_patch import auditor
+
+    assert not auditor._profiler_running()
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert auditor._profiler_running()
