@@ -58,11 +58,15 @@ def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switch
         except OSError as exc:
             print(f"{PREFIX}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
             return 127, [], False
+        # A CI runner's SIGTERM (a timeout, a cancelled job) goes on to the launcher, which stops its ranks.
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
         try:
             code = process.wait()
         except KeyboardInterrupt:
             process.send_signal(signal.SIGINT)
             code = process.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         reports, printed = _reports(folder)
     return code, reports, printed
 
@@ -94,6 +98,14 @@ def audit(command: List[str],
     if compare and all(runs.values()):
         print(audit_report.compare_table(runs, top), flush=True)
 
+    for name, reports in runs.items():
+        world = max((report["world_size"] for report in reports), default=0)
+        if 0 < len(reports) < world:
+            print(
+                f"{PREFIX}: note: the {name} run's reports come from {len(reports)} of {world} ranks: on several "
+                f"nodes only the ranks of this node report, and only if DS_OFFLOAD_PATCH_* and PYTHONPATH reach "
+                f"them",
+                flush=True)
     gated = "patched" if compare else "run"
     violations = audit_report.check_budgets(runs[gated], budgets, top) if runs[gated] else []
     failures = []
@@ -101,7 +113,7 @@ def audit(command: List[str],
         which = "the command" if name == "run" else f"the {name} run"
         if codes[name] != 0:
             failures.append(f"{which} exited with code {codes[name]}")
-        if not any(report["steps"] for report in runs[name]):
+        elif not any(report["steps"] for report in runs[name]):
             failures.append(f"{which} counted no DeepSpeed optimizer step (no engine.step() that advanced "
                             f"global_steps in any rank): nothing was audited")
     failures.extend(str(v) for v in violations)

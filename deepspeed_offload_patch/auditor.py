@@ -14,8 +14,8 @@ wrapped (on the class, so engines that HF Trainer or Accelerate create are cover
 * ``step``: every ``step()`` call (the one at the boundary updates the parameters).
 
 An optimizer step ends with the ``step()`` call that advances the engine's ``global_steps``. After ``steps`` of them, each rank writes
-its report (``rank-<R>.json`` in the audit folder), rank 0 gathers every rank's and prints the table, and the wrappers
-stop counting (or, with ``stop_after``, the process exits 0). A process that ends before that writes what it counted.
+its report (``rank-<R>.json`` in the audit folder), rank 0 gathers every rank's and prints the table (on one node; on
+several, the audit command prints the ranks of its own node), and the wrappers stop counting (or, with ``stop_after``, the process exits 0). A process that ends before that writes what it counted.
 On CUDA, each call also runs under ``torch.profiler`` to count ``cuda*Synchronize`` calls, unless another profiler is
 already running (then those counts are ``null``). Counting only observes: the ops run as they would without it.
 """
@@ -238,6 +238,17 @@ def _gather(report: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
     return reports
 
 
+def _single_node(world: int) -> bool:
+    """Whether every rank runs on this node (the launcher's local size is the world size). Only then is every rank
+    known to be audited: the ``deepspeed`` launcher does not pass ``DS_OFFLOAD_PATCH_AUDIT_*`` to other nodes, and a
+    collective that only some ranks call would hang the run."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):  # torchrun and accelerate; the deepspeed launcher
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value) == world
+    return world == 1
+
+
 def _finish(engine) -> None:
     """The counted steps are done: write this rank's report; rank 0 prints every rank's; stop if asked."""
     global _written
@@ -247,7 +258,8 @@ def _finish(engine) -> None:
     report = _state.report(rank, world, engine)
     _write(f"rank-{rank}.json", report)
     _written = True
-    reports = _gather(report)
+    # On several nodes no collective: each rank's file stays on its node, and the audit command reports this node's.
+    reports = _gather(report) if _single_node(world) else None
     if rank == 0 and reports is not None:
         _write(REPORT, {"ranks": reports, "printed": True})
         if os.environ.get(PRINT) != "0":

@@ -131,7 +131,8 @@ def test_a_command_without_a_deepspeed_step_fails_the_audit(tmp_path):
 
 def test_a_failing_command_keeps_its_exit_code(tmp_path):
     result = run_command(CLI + ["audit", "--", sys.executable, "-c", "raise SystemExit(3)"], cwd=tmp_path)
-    assert result.returncode == 3 and "the command exited with code 3" in result.stdout, result
+    assert result.returncode == 3, result
+    assert result.stdout.splitlines() == ["ds-offload-patch audit: FAIL: the command exited with code 3"], result
 
 
 @pytest.mark.parametrize("args", [[], ["--max-step-syncs", "-1", "--", "true"], ["--steps", "0", "--", "true"]])
@@ -222,7 +223,8 @@ def audit_state(tmp_path, monkeypatch):
     from deepspeed_offload_patch import auditor
 
     monkeypatch.setenv(auditor.DIR, str(tmp_path))
-    monkeypatch.delenv("RANK", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(auditor, "_state", auditor.PhaseCounts(steps=2, top=5))
     monkeypatch.setattr(auditor, "_written", False)
     module = types.SimpleNamespace(DeepSpeedEngine=fake_engine_class())
@@ -255,6 +257,18 @@ def test_each_call_counts_in_its_phase_and_counting_stops_after_the_steps(audit_
     assert json.loads((tmp_path / "report.json").read_text())["ranks"] == [rank0]
     printed = capsys.readouterr().out
     assert re.search(r"^ +0 +0 +0 +3 +3 +1 +1 +1 +1$", printed, re.M), printed
+
+
+def test_on_several_nodes_no_rank_waits_for_the_others(audit_state, tmp_path, monkeypatch, capsys):
+    """Rank 0 of 2 with one rank per node: its file is written, and there is no collective (the other node's ranks
+    may not be audited at all) and so no table from rank 0; the audit command reports the ranks it finds."""
+    auditor, engine_class = audit_state
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(auditor, "_gather", lambda report: pytest.fail("a collective on several nodes"))
+    train(engine_class, steps=2)
+    assert json.loads((tmp_path / "rank-0.json").read_text())["world_size"] == 2
+    assert not (tmp_path / "report.json").exists() and "host syncs" not in capsys.readouterr().out
 
 
 def test_cuda_counts_come_from_a_profiler_around_each_call(audit_state, monkeypatch):
