@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "engine's forward, boundary backward, other backward and step() for the first optimizer "
                            "steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
                            "step was counted, else 0.")
-    audit.add_argument("--steps", type=_positive, default=3, help="optimizer steps to count (default 3)")
+    audit.add_argument("--steps", type=_positive, default=3, metavar="N", help="optimizer steps to count (default 3)")
     audit.add_argument("--stop-after",
                        action="store_true",
                        help="end the run (exit 0) after the counted steps, for CI smoke runs")
@@ -201,7 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
                        action="store_true",
                        help="run the command twice, patch disabled then applied, and print both (budgets apply to "
                        "the patched run)")
-    audit.add_argument("--top", type=_positive, default=3, help="source lines shown per phase (default 3)")
+    audit.add_argument("--top",
+                       type=_positive,
+                       default=3,
+                       metavar="N",
+                       help="source lines shown per phase (default 3)")
     audit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     audit.set_defaults(func=_audit_command)
     return parser
