@@ -74,8 +74,10 @@ def render(results: list, kept: list = ()) -> str:
     for r in results:
         diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
-        rows.append((Version(r["release"]),
-                     f"| {r['release']} | {r.get('variant', 'PyPI')} | {r['state']} | {_tests(r['tests'])} | "
+        built = r.get("variant", "PyPI")
+        if r.get("torch", "2.13.0").split("+")[0] != "2.13.0":
+            built += f", torch {r['torch'].split('+')[0]}"
+        rows.append((Version(r["release"]), f"| {r['release']} | {built} | {r['state']} | {_tests(r['tests'])} | "
                      f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
                      f"{r.get('commit', '?')} |"))
     lines += [line for _, line in sorted(list(kept) + rows, key=lambda row: row[0])]

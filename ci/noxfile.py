@@ -132,6 +132,7 @@ def release(session: nox.Session, deepspeed: str) -> None:
     _install(session, deepspeed)
     session.chdir(ROOT)
     result = {"release": deepspeed, "state": _status(session, env=CLEAN)["state"], "expected": "applied"}
+    result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
     if "lite" in session.posargs:
         result.update(_lite(session, deepspeed))
     else:
