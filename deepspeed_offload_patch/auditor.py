@@ -200,7 +200,11 @@ def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
         if phase == "step" and getattr(self, "global_steps", None) != steps_before:
             state.end_step()
             if state.done:
-                _finish(self)
+                try:
+                    _finish(self)
+                except Exception as exc:  # the audit must not end a training run (SystemExit from --stop-after does)
+                    from deepspeed_offload_patch.log import warn_once
+                    warn_once(f"ds-offload-patch audit: this rank's report was not completed: {exc!r}")
         return result
 
     wrapper.__ds_offload_patch_audit__ = method

@@ -271,6 +271,18 @@ def test_on_several_nodes_no_rank_waits_for_the_others(audit_state, tmp_path, mo
     assert not (tmp_path / "report.json").exists() and "host syncs" not in capsys.readouterr().out
 
 
+def test_a_report_that_cannot_be_written_does_not_stop_training(audit_state, monkeypatch):
+    from deepspeed_offload_patch import log
+
+    auditor, engine_class = audit_state
+    warnings = []
+    monkeypatch.setattr(log, "warn_once", warnings.append)
+    monkeypatch.setenv(auditor.DIR, "/nonexistent/folder")
+    engine = train(engine_class, steps=3)
+    assert engine.global_steps == 3 and auditor._state.done
+    assert len(warnings) == 1 and "report was not completed" in warnings[0], warnings
+
+
 def test_cuda_counts_come_from_a_profiler_around_each_call(audit_state, monkeypatch):
     """The CUDA branch on the CPU: a CPU-only profiler stands in for the CUDA one (no cuda*Synchronize, so 0)."""
     from torch.profiler import ProfilerActivity, profile
