@@ -30,6 +30,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
 from deepspeed_offload_patch import import_hook
+from deepspeed_offload_patch.log import rank_and_world
 
 #: The folder the rank reports go to; the audit is on in a process only when this is set.
 DIR = "DS_OFFLOAD_PATCH_AUDIT_DIR"
@@ -137,16 +138,6 @@ class PhaseCounts:
 
 _state: Optional[PhaseCounts] = None
 _written = False
-
-
-def _rank_and_world(engine=None):
-    comm = sys.modules.get("deepspeed.comm")
-    try:
-        if comm is not None and comm.is_initialized():
-            return comm.get_rank(), comm.get_world_size()
-    except Exception:  # a backend being torn down must not stop the report
-        pass
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _profiler_running() -> bool:
@@ -258,7 +249,7 @@ def _finish(engine) -> None:
     global _written
     from deepspeed_offload_patch import audit_report
 
-    rank, world = _rank_and_world(engine)
+    rank, world = rank_and_world()
     report = _state.report(rank, world, engine)
     _write(f"rank-{rank}.json", report)
     _written = True
@@ -279,7 +270,7 @@ def _at_exit() -> None:
     """A process that trained but ended before the counted steps were done still reports what it counted."""
     if _state is None or _written or _state.calls == 0:
         return
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     try:
         _write(f"rank-{rank}.json", _state.report(rank, world))
     except OSError:

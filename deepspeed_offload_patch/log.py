@@ -5,6 +5,7 @@
 import logging
 import os
 import sys
+from typing import Tuple
 
 _seen = set()
 
@@ -17,17 +18,23 @@ def _logger() -> logging.Logger:
     return logging.getLogger("deepspeed_offload_patch")
 
 
-def _rank() -> int:
+def rank_and_world() -> Tuple[int, int]:
+    """This process's rank and the world size: from ``deepspeed.comm`` once it is initialized (never importing it),
+    else ``$RANK`` and ``$WORLD_SIZE`` (0 and 1 when unset or not numbers)."""
     comm = sys.modules.get("deepspeed.comm")
     try:
         if comm is not None and comm.is_initialized():
-            return comm.get_rank()
-    except Exception:  # a half-initialized backend must not break logging
+            return comm.get_rank(), comm.get_world_size()
+    except Exception:  # a half-initialized or torn-down backend must not break logging or a report
         pass
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
-        return 0
+        return 0, 1
+
+
+def _rank() -> int:
+    return rank_and_world()[0]
 
 
 def log_once(level: int, message: str) -> None:
