@@ -27,13 +27,13 @@ PREFIX = "ds-offload-patch audit"
 
 
 def _reports(folder: str) -> Tuple[List[Dict], bool]:
-    """The rank reports a run left in ``folder`` and whether rank 0 printed them already. Rank 0's gathered file
-    holds every rank (other nodes' too); without it (the run ended early) the per-rank files of this node are used."""
+    """The rank reports a run left in ``folder`` and whether rank 0 gathered (and so printed) them. Rank 0's gathered
+    file holds every rank; without it (the run ended early, or several nodes) the per-rank files of this node."""
     gathered = os.path.join(folder, auditor.REPORT)
     if os.path.exists(gathered):
         with open(gathered) as f:
             data = json.load(f)
-        return data["ranks"], data.get("printed", False)
+        return data["ranks"], True
     reports = []
     for path in sorted(glob.glob(os.path.join(folder, "rank-*.json"))):
         with open(path) as f:

@@ -256,7 +256,7 @@ def _finish(engine) -> None:
     # On several nodes no collective: each rank's file stays on its node, and the audit command reports this node's.
     reports = _gather(report) if _single_node(world) else None
     if rank == 0 and reports is not None:
-        _write(REPORT, {"ranks": reports, "printed": True})
+        _write(REPORT, {"ranks": reports})
         if os.environ.get(PRINT) != "0":
             print(audit_report.table(reports), flush=True)
     if os.environ.get(STOP_AFTER) == "1":
