@@ -10,7 +10,7 @@ applies to them with ``git apply`` and gives exactly their patched file. It writ
 sources give, when a diff does not apply to one of its releases, or when a patched file's methods are not equal
 (AST) to the package's replacements.
 
-    python ci/make_patches.py --sdists ~/.cache/ds-offload-patch/sdists [--check]
+    python ci/make_patches.py [--sdists CACHE] [--check]
 """
 
 import argparse
@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.join(ROOT, "ci"))
 from packaging.specifiers import SpecifierSet  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
-from gen_fingerprints import TARGET, method_sources, read_target, sdist_path  # noqa: E402
+from gen_fingerprints import TARGET, method_sources, read_target  # noqa: E402
 from deepspeed_offload_patch import guard  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
+from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
 PATCHES = os.path.join(ROOT, "patches")
 
@@ -184,7 +185,7 @@ maps each release to its diff.
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sdists", default=os.path.expanduser("~/.cache/ds-offload-patch/sdists"))
+    parser.add_argument("--sdists", default=DEFAULT_CACHE, help="the sdist cache (default: %(default)s)")
     parser.add_argument("--check", action="store_true", help="verify patches/, write nothing")
     parser.add_argument("--patches", default=PATCHES, help="the folder to check or write (default: patches/)")
     args = parser.parse_args()

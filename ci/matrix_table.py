@@ -84,6 +84,14 @@ def render(results: list, kept: list = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _order(name: str):
+    """Releases by version, variant kinds (``truth-test``, ...) after them by name."""
+    try:
+        return (0, Version(name), "")
+    except ValueError:
+        return (1, Version("0"), name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--readme", action="store_true", help="write the table into ci/README.md")
@@ -105,7 +113,7 @@ def main() -> int:
     by_release = {r["variant"].split(", ")[-1] if "variant" in r else r["release"]: r for r in results}
     missing = [v for v in args.require if v not in by_release or not passed(by_release[v])]
     failing = [r["release"] for r in results if not passed(r)]
-    for release in sorted(set(missing) | set(failing), key=Version):
+    for release in sorted(set(missing) | set(failing), key=_order):
         print(f"FAIL: DeepSpeed {release}: no passing result")
     return 1 if missing or failing else 0
 

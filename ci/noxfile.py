@@ -2,11 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The DeepSpeed version matrix: one reused virtualenv per release, torch 2.13.0 CPU.
 
-    nox -f ci/noxfile.py -- core                  # CI's representative set (the default sessions)
-    nox -f ci/noxfile.py -s matrix                # every supported release, and the unsupported one
+    nox -f ci/noxfile.py -- core                  # one release per form and the first three variants (the default)
+    nox -f ci/noxfile.py -s matrix                # every supported release and every variant, then the table
     nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite]
+    nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
-    python ci/matrix_table.py [--readme]          # the table of the last results (reports/matrix/)
+    python ci/matrix_table.py [--readme]          # the table of the last results (reports/matrix/); --readme writes it
+                                                  # into ci/README.md
 
 For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``) and runs the test
 suite: all of ``tests/unit``, or with the session argument ``core`` (``matrix`` passes it) the ZeRO regression tests
@@ -14,9 +16,11 @@ plus ``ds-offload-patch check`` and ``verify`` (the rest of the suite tests the 
 every release; the representative releases run it). Then it applies the release's diffs from ``patches/``
 (the fix and the opt-in grad norm) to the installed DeepSpeed: the package must report both as ``upstream-fixed``,
 and with the monkey-patch disabled the ZeRO regression tests (but the equivalence tests, which would compare the
-diffs with themselves) must pass on the diffs alone. The file is restored
-after. For an unsupported release it runs ``tests/release/test_unsupported_release.py``. Each session writes
-``reports/matrix/<release>.json``.
+diffs with themselves) must pass on the diffs alone. The file is restored after. Each session writes
+``reports/matrix/<release>.json``. A release outside the supported range is exercised by the ``variant`` sessions
+(``truth-test`` must be refused as unsupported).
+
+Sessions reuse their virtualenvs; the sdists come from one cache (``ci/sdists.py``), fetched once.
 """
 
 import json
@@ -32,10 +36,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 
-# CI's set, one per form of the methods: the last release of the 0.14.0-0.17.0 form, the first of the 0.17.x form,
-# the latest (the 0.18.0+ form; its check returns bool, the others' fp32). CI runs the first with "core" (and its
-# red/green run), the other two (0.19.8's whole suite runs in ci/test.sh) and the first three variants with "lite".
-REPRESENTATIVE = ("0.16.9", "0.17.1", "0.19.8")
+# One release per form of the methods (patches/ has one diff per form): the last of the 0.14.0-0.17.0 form, the first
+# of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check returns fp32) and the latest (0.19.7+: bool).
+# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 and 0.19.6 and the first three variants with "lite";
+# not 0.19.8, whose whole suite and red/green run ci/test.sh already ran in the checkout's own venv.
+REPRESENTATIVE = ("0.16.9", "0.17.1", "0.19.6", "0.19.8")
+CI_RELEASES = ("0.16.9", "0.17.1", "0.19.6")
 # Releases whose ZeRO suite also runs with the patch disabled (ci/check_red_green.py): the per-parameter form (ci/test.sh
 # does it for the installed 0.19.8).
 RED_GREEN = ("0.16.9", )
@@ -60,6 +66,7 @@ TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [f"release(deepspeed='{v}')"
                         for v in REPRESENTATIVE] + [f"variant(kind='{k}')" for k in list(VARIANTS)[:3]]
+CI_VARIANTS = tuple(VARIANTS)[:3]
 nox.options.envdir = os.path.join(ROOT, ".nox")
 
 
@@ -291,12 +298,19 @@ def table(session: nox.Session) -> None:
     session.run(sys.executable, os.path.join(ROOT, "ci", "matrix_table.py"))
 
 
+@nox.session(python=False)
+def sdists(session: nox.Session) -> None:
+    """Fetch every supported release's sdist into the cache the other sessions read (``ci/sdists.py``)."""
+    session.run(sys.executable, os.path.join(ROOT, "ci", "sdists.py"))
+
+
 @nox.session
 def sources(session: nox.Session) -> None:
-    """The fingerprints and patches/ agree with the releases' own sdists (downloaded with pip)."""
+    """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache)."""
     session.install("torch==2.13.0")
-    session.install("deepspeed", "packaging", "yapf==0.43.0", "wheel")
+    session.install("deepspeed==0.19.8", "packaging", "yapf==0.43.0", "wheel")
     session.install("pytest")
     session.install("--no-deps", "-e", ROOT)
     session.chdir(ROOT)
+    session.run("python", os.path.join(ROOT, "ci", "sdists.py"))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/release/test_sources.py")

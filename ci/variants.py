@@ -22,8 +22,9 @@ import textwrap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 
-from gen_fingerprints import TARGET, sdist_path  # noqa: E402
+from gen_fingerprints import TARGET  # noqa: E402
 from make_patches import replace_methods  # noqa: E402
+from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
 EDITS = {
     "truth-test": {
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("base", help="the release whose sdist to start from")
     parser.add_argument("version", help="the version to write into version.txt")
     parser.add_argument("edit", choices=["none", *EDITS])
-    parser.add_argument("--sdists", default=os.path.expanduser("~/.cache/ds-offload-patch/sdists"))
+    parser.add_argument("--sdists", default=DEFAULT_CACHE, help="the sdist cache (default: %(default)s)")
     parser.add_argument("--into", default=None, help="where to unpack (default: a new temporary folder)")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Optional, Tuple
 
+from packaging.version import Version
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Installed: copied into the package at build time. Source checkout: the repository's patches/.
 _CANDIDATES = (os.path.join(_HERE, "_patches"), os.path.join(os.path.dirname(_HERE), "patches"))
@@ -29,7 +31,8 @@ def diff_for(version: str, grad_norm: bool = False) -> Tuple[str, str]:
     release = release_of(version)
     name = index.get(str(release)) if release is not None else None
     if name is None:
-        raise LookupError(f"no diff for DeepSpeed {version}; diffs exist for {min(index)} to {max(index)}")
+        raise LookupError(f"no diff for DeepSpeed {version}; diffs exist for {min(index, key=Version)} to "
+                          f"{max(index, key=Version)}")
     with open(os.path.join(directory, name)) as f:
         return name, f.read()
 
@@ -55,8 +58,6 @@ def release_with_the_same_methods(grad_norm: bool = False) -> Optional[str]:
     """The last tested release whose methods (the fix's, or with ``grad_norm`` the opt-in's) have the fingerprints of
     the installed DeepSpeed's originals; None when there is none."""
     import importlib
-
-    from packaging.version import Version
 
     from deepspeed_offload_patch import guard, patcher
     from deepspeed_offload_patch.fingerprints import UNFIXED

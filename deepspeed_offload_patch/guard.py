@@ -271,7 +271,11 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
         owners = ", ".join(f"{name} (now {_owner(cls.__dict__[name])})" for name in foreign)
         return Decision("conflict", f"{cls.__name__} methods already replaced by another patch: {owners}", methods)
     release = release_of(version)
-    if release is None or release < Version(FIRST):
+    if release is None:
+        return Decision(
+            "unsupported", f"DeepSpeed's version {version!r} cannot be parsed as a version, so the "
+            f"releases it matches are unknown", methods)
+    if release < Version(FIRST):
         return Decision("unsupported",
                         f"DeepSpeed {version} is older than the first supported release {FIRST}: {OLDER_REASON}",
                         methods)

@@ -263,7 +263,10 @@ def install() -> PatchStatus:
         if not settings.auto():
             return _set(NOT_APPLIED, f"{settings.AUTO}=0: importing the package patches nothing; apply() does")
         if not deepspeed_installed():
-            return _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+            status = _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+            warn_once(f"the offload overflow flag fix not applied ({status.state}): {status.reason}; pip install "
+                      f"deepspeed, then import deepspeed_offload_patch again in a new process")
+            return status
         if TARGET_MODULE not in sys.modules:
             _set(PENDING, f"waiting for {TARGET_MODULE} to be imported")
         import_hook.when_imported(TARGET_MODULE, _on_target_import, _on_target_import_error)

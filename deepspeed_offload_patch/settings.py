@@ -14,16 +14,18 @@ GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
 AUTO = "DS_OFFLOAD_PATCH_AUTO"
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+_FALSE = ("0", "false", "no", "off")
 
 
-def flag(name: str, odd: bool = False) -> bool:
-    """Read a boolean switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset means off.
+def flag(name: str, odd: bool = False, unset: bool = False) -> bool:
+    """Read a boolean switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset or empty means ``unset``.
 
     Any other value counts as ``odd``, with a warning that names the switch, the value and the reading (logged
     once). Each switch passes the reading that leaves DeepSpeed untouched.
     """
     value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return unset
     if value in _TRUE:
         return True
     if value in _FALSE:
@@ -47,5 +49,6 @@ def grad_norm() -> bool:
 
 
 def auto() -> bool:
-    """Whether importing the package patches: on unless ``DS_OFFLOAD_PATCH_AUTO`` is ``0/false/no/off``."""
-    return os.environ.get(AUTO, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether importing the package patches: on when ``DS_OFFLOAD_PATCH_AUTO`` is unset or true; any other value
+    than true or false warns and reads as 0 (the import patches nothing)."""
+    return flag(AUTO, odd=False, unset=True)

@@ -59,10 +59,10 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
 
 def verify(steps: int = 3) -> int:
     """Run the check and print one line per finding. Returns the process exit code (0 pass, 1 fail)."""
-    from deepspeed_offload_patch.testing.launch import DistributedFailure, run_distributed
+    from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, DistributedFailure, run_distributed
 
     try:
-        report = run_distributed(_verify_rank, world_size=1, args=(steps, ), timeout=300)[0]
+        report = run_distributed(_verify_rank, world_size=1, args=(steps, ), timeout=HANG_GUARD_S)[0]
     except DistributedFailure as exc:
         print(f"verify: FAIL: the check could not run:\n{exc}")
         return 1

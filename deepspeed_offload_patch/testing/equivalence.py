@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_offload_patch.testing.launch import run_distributed
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
 from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused, batch, ds_config, make_engine,
                                                     optimizer_step)
 
@@ -440,7 +440,7 @@ def run_side(side: str,
              save_root: Optional[str] = None,
              load_root: Optional[str] = None,
              world_size: int = 2,
-             timeout: float = 900.0) -> List[Dict[str, Any]]:
+             timeout: float = HANG_GUARD_S) -> List[Dict[str, Any]]:
     """:func:`trace_runs` on ``world_size`` fresh ranks with the patch on (``PATCHED``) or off (``UNPATCHED``);
     returns each rank's result. ``setup`` must pickle (a module-level function).
 

@@ -82,12 +82,17 @@ def _rank_main(rank, world_size, port, init_file, fn, args, kwargs, results) -> 
             pass
 
 
+# A guard against a hang, not a budget: far above the slowest correct run measured (a test's ranks, or verify, on 2
+# busy cores with cold caches: under 3 minutes), so a slow machine is never failed by it.
+HANG_GUARD_S = 1800.0
+
+
 def run_distributed(fn: Callable[..., Any],
                     world_size: int = 2,
                     args: Sequence = (),
                     kwargs: Optional[Dict[str, Any]] = None,
                     env: Optional[Dict[str, str]] = None,
-                    timeout: float = 300.0) -> List[Any]:
+                    timeout: float = HANG_GUARD_S) -> List[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return each rank's result, by rank.
 
     ``fn``, its arguments and its results must pickle (``fn`` defined at module level, or a bound method of an
@@ -114,7 +119,7 @@ def run_distributed(fn: Callable[..., Any],
             for proc in procs:
                 proc.start()
         try:
-            return _collect(procs, results, timeout)
+            return _collect(procs, results, timeout, getattr(fn, "__qualname__", repr(fn)))
         finally:
             for proc in procs:
                 if proc.is_alive():
@@ -139,7 +144,7 @@ def _environment(env: Dict[str, str]):
                 os.environ[name] = value
 
 
-def _collect(procs, results, timeout: float) -> List[Any]:
+def _collect(procs, results, timeout: float, what: str) -> List[Any]:
     world_size = len(procs)
     done: Dict[int, Any] = {}
     failed: Dict[int, str] = {}
@@ -160,7 +165,8 @@ def _collect(procs, results, timeout: float) -> List[Any]:
                     raise DistributedFailure(f"{codes} exited without a result")
             if time.monotonic() > deadline:
                 hung = [r for r in range(world_size) if r not in done and r not in failed]
-                raise DistributedFailure(f"rank(s) {hung} did not finish within {timeout:.0f} s")
+                raise DistributedFailure(f"rank(s) {hung} of {what} did not finish within {timeout:.0f} s (the hang "
+                                         f"guard of run_distributed; timeout= sets it)")
             continue
         if ok:
             done[rank] = pickle.loads(payload)

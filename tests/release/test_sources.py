@@ -1,9 +1,11 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The guard's fingerprints and ``patches/`` agree with the releases' own sources (sdists downloaded with pip into
-``$DS_OFFLOAD_PATCH_SDISTS``, default ``~/.cache/ds-offload-patch/sdists``), and the checks catch a disagreement.
+"""The guard's fingerprints and ``patches/`` agree with the releases' own sources (the sdists of every supported
+release, in ``ci/sdists.py``'s cache: ``$DS_OFFLOAD_PATCH_SDISTS``, default ``~/.cache/ds-offload-patch/sdists``), and
+the checks catch a disagreement.
 
-Not in the default suite: it downloads 25 sdists. ``nox -f ci/noxfile.py -s sources`` runs it.
+Not in the default suite: it reads 47 sdists. ``nox -f ci/noxfile.py -s sources`` fetches them first (its own step,
+with progress) and runs it; the scripts here only fetch what the cache lacks.
 """
 
 import os

@@ -5,6 +5,10 @@
 A subclass sets ``world_size`` (and ``timeout``, in seconds); ``tests/conftest.py`` runs every test method of it
 through :func:`run_distributed_test`. Ranks rendezvous through a ``file://`` store, see LOCAL_SIZE, fail together,
 and a rank that hangs is named.
+
+Every limit here is a guard against a hang (``HANG_GUARD_S``, far above the slowest correct run measured on 2 busy
+cores with cold caches), never a budget: a slow machine is not failed by it, and a limit that fires names the command
+and the time it had.
 """
 
 import os
@@ -13,12 +17,12 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from deepspeed_offload_patch.testing.launch import run_distributed
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
 
 
 class DistributedTest:
     world_size = 2
-    timeout = 300
+    timeout = HANG_GUARD_S
 
 
 def _call_method(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
@@ -38,13 +42,26 @@ def clean_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
 
 def run_command(args: List[str],
                 env: Optional[Dict[str, str]] = None,
-                timeout: float = 300.0,
+                timeout: float = HANG_GUARD_S,
                 **kwargs) -> subprocess.CompletedProcess:
-    """Run ``args`` in the :func:`clean_env` environment, capturing text output."""
-    return subprocess.run(args, env=clean_env(env), capture_output=True, text=True, timeout=timeout, **kwargs)
+    """Run ``args`` in the :func:`clean_env` environment, capturing text output.
+
+    Raises:
+        AssertionError: the command did not finish within ``timeout`` seconds (a hang guard); the message names the
+            command, the limit and what it had printed.
+    """
+    try:
+        return subprocess.run(args, env=clean_env(env), capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as exc:
+        printed = "\n".join((part.decode(errors="replace") if isinstance(part, bytes) else part)[-4000:]
+                            for part in (exc.stdout, exc.stderr) if part)
+        raise AssertionError(f"hang guard: {' '.join(map(str, args))[:300]} did not finish within {timeout:.0f} s; "
+                             f"it printed:\n{printed}") from None
 
 
-def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 180.0) -> subprocess.CompletedProcess:
+def run_python(code: str,
+               env: Optional[Dict[str, str]] = None,
+               timeout: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (see :func:`run_command`).
 
     Import-order and lifecycle tests need a process where neither package has been imported yet.

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from deepspeed_offload_patch import audit_report
-from unit.common import assert_ok, run_command
+from unit.common import HANG_GUARD_S, assert_ok, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
 TENSORS = 40  # ci/smoke_train.py's default: 20 Linear layers, 20 tensors in each rank's partition
@@ -32,7 +32,7 @@ def script(tmp_path_factory):
     return folder
 
 
-def launched(args, script, env=None, timeout=300.0):
+def launched(args, script, env=None, timeout=HANG_GUARD_S):
     """``ds-offload-patch ARGS`` in the user's folder, with this interpreter's launchers first on PATH."""
     env = dict(env or {})
     env.update({"LOCAL_SIZE": "2", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})

@@ -79,11 +79,42 @@ def test_check_passes_on_the_installed_release():
     assert result.returncode == 0 and "OK" in result.stdout, result
 
 
-@pytest.mark.parametrize("env, code, word", [({"DS_OFFLOAD_PATCH_DISABLE": "1"}, 5, "disabled")])
+@pytest.mark.parametrize("env, code, word", [({
+    "DS_OFFLOAD_PATCH_DISABLE": "1"
+}, 5, "disabled"), ({
+    "DS_OFFLOAD_PATCH_AUTO": "0"
+}, 1, "not-applied")])
 def test_check_fails_when_disabled(env, code, word):
     result = cli("check", env=env)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == code and len(lines) == 1 and word in lines[0], result
+
+
+# A child that sets the scene, then runs the CLI in the same process and exits with its code.
+SCENES = {
+    # Another patch replaced the tracker before this package saw DeepSpeed's ZeRO module.
+    "conflict": """
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        def other_patch(self, grad):
+            pass
+        DeepSpeedZeroOptimizer.update_offload_overflow_tracker = other_patch
+    """,
+    # DeepSpeed cannot be imported, as if it were not installed.
+    "deepspeed-missing": """
+        sys.modules["deepspeed"] = None
+    """,
+}
+
+
+@pytest.mark.parametrize("command", ["check", "status"])
+@pytest.mark.parametrize("state, code", [("conflict", 3), ("deepspeed-missing", 4)])
+def test_exit_codes_of_conflict_and_missing_deepspeed(state, code, command):
+    program = "import sys\n" + textwrap.dedent(SCENES[state]) + textwrap.dedent("""
+        from deepspeed_offload_patch.cli import main
+        sys.exit(main([sys.argv[1]]))
+    """)
+    result = run_command([sys.executable, "-c", program, command])
+    assert result.returncode == code and state in result.stdout, result
 
 
 def test_check_fails_on_an_altered_deepspeed(tmp_path, deepspeed_dir):

@@ -119,12 +119,20 @@ def test_a_newer_version_with_a_known_form_is_patched_and_says_so(tmp_path, vers
     assert "match the unfixed form of DeepSpeed" in decision.reason, decision.reason
 
 
-@pytest.mark.parametrize("version", ["0.13.5", "0.12.6", "not-a-version"])
+@pytest.mark.parametrize("version", ["0.13.5", "0.12.6"])
 def test_an_older_version_is_unsupported_whatever_its_form(tmp_path, version):
     cls = _synthetic_class(tmp_path, f"synthetic_older_{abs(hash(version))}", _unfixed_sources())
     decision = guard.inspect_target(cls, version)
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert f"older than the first supported release {guard.FIRST}" in decision.reason, decision.reason
+
+
+def test_an_unparseable_version_is_unsupported_and_said_so(tmp_path):
+    cls = _synthetic_class(tmp_path, "synthetic_unparseable", _unfixed_sources())
+    decision = guard.inspect_target(cls, "not-a-version")
+    assert decision.state == "unsupported" and decision.replacements == {}, decision
+    assert "'not-a-version' cannot be parsed as a version" in decision.reason, decision.reason
+    assert "older" not in decision.reason, decision.reason
 
 
 # Fixed trackers in words other than this package's: in place and out of place, other names and expressions.

@@ -129,9 +129,10 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
         DS_OFFLOAD_PATCH_DISABLE="1")
 
 
-@pytest.mark.parametrize("switch, state", [("DS_OFFLOAD_PATCH_DISABLE", "disabled"),
-                                           ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied")])
-def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch, state):
+@pytest.mark.parametrize("switch, state, after_apply", [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled"),
+                                                        ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied"),
+                                                        ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied")])
+def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch, state, after_apply):
     output = run(
         f"""
         import deepspeed_offload_patch as dop
@@ -139,7 +140,7 @@ def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch,
         status = dop.status()
         assert status.state == "{state}" and status.grad_norm_on_device == "off", status
         assert is_ours(target()) == (status.state == "applied")
-        assert dop.apply().state == "{state}"
+        assert dop.apply().state == "{after_apply}"  # (AUTO leaves apply() working)
         from deepspeed_offload_patch import grad_norm
         assert target().__dict__["complete_grad_norm_calculation_for_cpu_offload"] is not grad_norm.REPLACEMENTS[
             "complete_grad_norm_calculation_for_cpu_offload"][0][1]
@@ -228,8 +229,20 @@ def test_warnings_only_on_rank_zero():
     assert warnings_in(output) == [], output
 
 
+@pytest.mark.parametrize("value, patched", [("", True), ("1", True), ("on", True), ("0", False), ("OFF", False)])
+def test_auto_switch_values(value, patched):
+    output = run(f"""
+        import deepspeed_offload_patch as dop
+        import deepspeed.runtime.zero.stage_1_and_2
+        assert dop.status().state == ("applied" if {patched} else "not-applied"), dop.status()
+        assert is_ours(target()) == {patched}
+    """,
+                 DS_OFFLOAD_PATCH_AUTO=value)
+    assert warnings_in(output) == [], output
+
+
 def test_without_deepspeed():
-    run("""
+    output = run("""
         sys.modules["deepspeed"] = None  # as if DeepSpeed were not installed
         import deepspeed_offload_patch as dop
         assert dop.status().state == "deepspeed-missing", dop.status()
@@ -240,3 +253,5 @@ def test_without_deepspeed():
         else:
             raise AssertionError("apply() without DeepSpeed did not raise ImportError")
     """)
+    lines = warnings_in(output)
+    assert len(lines) == 1 and "deepspeed-missing" in lines[0] and "pip install deepspeed" in lines[0], output

@@ -1,6 +1,7 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The host-sync guard and RaisingBoolTensor: what they catch, what they let through, and inside autograd hooks."""
+"""The host-sync guard and RaisingBoolTensor: what they catch, what they let through, and inside autograd hooks; the
+hang guards of the harness name what hung and the time it had."""
 
 import pytest
 import torch
@@ -60,3 +61,20 @@ def test_raising_bool_tensor():
     derived = flag | torch.tensor(False)
     assert isinstance(derived, RaisingBoolTensor) and isinstance(flag.to(torch.uint8), RaisingBoolTensor)
     assert flag.item() is True and type(RaisingBoolTensor.plain(flag)) is torch.Tensor
+
+
+def _sleep_forever() -> None:
+    import time
+    time.sleep(3600)
+
+
+def test_a_hung_rank_is_named_with_the_time_it_had():
+    from deepspeed_offload_patch.testing.launch import DistributedFailure, run_distributed
+    with pytest.raises(DistributedFailure, match=r"rank\(s\) \[0, 1\] of _sleep_forever did not finish within 3 s"):
+        run_distributed(_sleep_forever, world_size=2, timeout=3)
+
+
+def test_a_hung_command_is_named_with_the_time_it_had():
+    from unit.common import run_python
+    with pytest.raises(AssertionError, match=r"hang guard: .* did not finish within 2 s; it printed:\nstarted"):
+        run_python("import time; print('started', flush=True); time.sleep(3600)", timeout=2)
