@@ -35,7 +35,7 @@ class BuildWithPatches(build_py):
 
 
 setup(
-    name="deepspeed_offload_patch",
+    name="deepspeed-offload-patch",
     version=VERSION,
     description="Keeps DeepSpeed's ZeRO-1/2 offload overflow flag on the device: no host sync per gradient",
     long_description=read("README.md"),
@@ -50,12 +50,12 @@ setup(
     packages=find_packages(include=["deepspeed_offload_patch", "deepspeed_offload_patch.*"]),
     py_modules=["pytest_ds_offload_patch"],
     package_data={"deepspeed_offload_patch": ["_bootstrap/sitecustomize.py"]},
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # torch 2.13.0, which CI pins, has wheels for 3.10 - 3.14
     # torch first, as its own install step (a bare deepspeed install pulls a CUDA build); see README.md.
     install_requires=["deepspeed>=0.14.0", "torch", "packaging>=20.0"],
     extras_require={
         "bench": ["matplotlib"],
-        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build"],
+        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build", "twine"],
     },
     entry_points={
         "console_scripts": ["ds-offload-patch=deepspeed_offload_patch.cli:main"],
@@ -70,10 +70,10 @@ setup(
         "Operating System :: POSIX :: Linux",
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",
-        "Programming Language :: Python :: 3.9",
         "Programming Language :: Python :: 3.10",
         "Programming Language :: Python :: 3.11",
         "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
 )

@@ -70,9 +70,18 @@ CI_VARIANTS = tuple(VARIANTS)[:3]
 nox.options.envdir = os.path.join(ROOT, ".nox")
 
 
+def _install_torch(session: nox.Session, *specs: str) -> None:
+    """torch first (a bare DeepSpeed install would pull the newest CUDA build of torch), from ``$TORCH_INDEX_URL``
+    when it is set (``https://download.pytorch.org/whl/cpu`` for the CPU build on an ordinary machine)."""
+    index = os.environ.get("TORCH_INDEX_URL")
+    torch = [spec for spec in specs if spec.startswith("torch")]
+    session.install(*torch, *(["--index-url", index] if index else []))
+    if len(torch) < len(specs):
+        session.install(*[spec for spec in specs if not spec.startswith("torch")])
+
+
 def _install(session: nox.Session, version: str) -> None:
-    # torch first: a bare DeepSpeed install would pull the newest CUDA build of torch.
-    session.install(*OLDER_TORCH.get(version, ("torch==2.13.0", )))
+    _install_torch(session, *OLDER_TORCH.get(version, ("torch==2.13.0", )))
     session.install(f"deepspeed=={version}", "pytest", "packaging")
     session.install("--no-deps", "--force-reinstall", ROOT)
 
@@ -194,7 +203,7 @@ def variant(session: nox.Session, kind: str) -> None:
     DeepSpeed's own fixed code (the package reports it upstream-fixed and patches nothing of the fix); an edited tracker that still truth-tests must be refused as on an unknown release."""
     version, edit, expected = VARIANTS[kind]
     os.makedirs(REPORTS, exist_ok=True)
-    session.install("torch==2.13.0")
+    _install_torch(session, "torch==2.13.0")
     session.install("pytest", "packaging", "setuptools", "wheel")
     tree = session.run("python",
                        os.path.join(ROOT, "ci", "variants.py"),
@@ -307,7 +316,7 @@ def sdists(session: nox.Session) -> None:
 @nox.session
 def sources(session: nox.Session) -> None:
     """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache)."""
-    session.install("torch==2.13.0")
+    _install_torch(session, "torch==2.13.0")
     session.install("deepspeed==0.19.8", "packaging", "yapf==0.43.0", "wheel")
     session.install("pytest")
     session.install("--no-deps", "-e", ROOT)

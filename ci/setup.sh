@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-# Source me: creates (or reuses) the virtualenv $VENV (default .venv) and installs torch 2.13.0 first (a CPU build
-# here; a bare `pip install deepspeed` would pull a multi-GB CUDA torch), then this package with its dev tools.
+# Source me: creates (or reuses) the virtualenv $VENV (default .venv) and installs torch 2.13.0 first (a bare
+# `pip install deepspeed` would pull a multi-GB CUDA torch), then this package with its dev tools.
+# TORCH_INDEX_URL (unset by default): the index torch comes from. On an ordinary Linux machine PyPI's torch 2.13.0 is
+# a CUDA build of several GB; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gives the CPU build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${VENV:-.venv}
@@ -10,7 +12,7 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python -m pip install --quiet -e ".[dev]"
 # DeepSpeed JIT-builds ops into here; keep them out of the home directory of a shared machine.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}

@@ -3,14 +3,18 @@
 """A plain ZeRO-2 offload training script, as a training repository has one for a CI smoke run: nothing in it knows
 about deepspeed_offload_patch. ``ci/audit.sh`` and ``tests/unit/test_audit.py`` audit it.
 
-    deepspeed --num_gpus 2 ci/smoke_train.py [--steps 4] [--layers 20] [--nan-step -1] [--save PREFIX]
+    deepspeed --num_gpus 2 ci/smoke_train.py [--deepspeed CONFIG] [--steps 4] [--layers 20] [--nan-step -1]
+                                             [--save PREFIX]
 
-``--layers`` Linear layers (two parameter tensors each), bf16 with the overflow check on, gradient accumulation 2,
-synthetic data; a NaN gradient on rank 0 at step ``--nan-step``; ``--save`` writes each rank's parameters and skipped
-step count to ``PREFIX.<rank>``.
+``--layers`` Linear layers (two parameter tensors each), synthetic data; a NaN gradient on rank 0 at step
+``--nan-step``; ``--save`` writes each rank's parameters and skipped step count to ``PREFIX.<rank>``. The DeepSpeed
+config is ``--deepspeed CONFIG`` (a JSON file, as HF Trainer takes it; ``ci/templates/ds_config_smoke.json`` is the
+template's) or, without it, the same one built in: ZeRO-2 with the optimizer offloaded to the CPU, bf16 with the
+overflow check on, micro-batch 4, gradient accumulation 2.
 """
 
 import argparse
+import json
 
 import deepspeed
 import torch
@@ -21,6 +25,7 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--layers", type=int, default=20)
 parser.add_argument("--nan-step", type=int, default=-1)
 parser.add_argument("--save", default=None)
+parser.add_argument("--deepspeed", default=None, metavar="CONFIG", help="a DeepSpeed config JSON file")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -46,14 +51,19 @@ config = {
         }
     },
 }
+if args.deepspeed:
+    with open(args.deepspeed) as f:
+        config = json.load(f)
 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 data = torch.Generator().manual_seed(1 + engine.global_rank)
 last = model[-1].weight
-for micro in range(2 * args.steps):
-    x = torch.randn(4, 16, generator=data).to(engine.device, torch.bfloat16)
+micro_batch, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+dtype = next(engine.module.parameters()).dtype  # bf16 or fp16 when the config enables them, else fp32
+for micro in range(accumulation * args.steps):
+    x = torch.randn(micro_batch, 16, generator=data).to(engine.device, dtype)
     loss = engine(x).float().pow(2).mean()
     hook = None
-    if micro == 2 * args.nan_step + 1 and engine.global_rank == 0:
+    if micro == accumulation * args.nan_step + accumulation - 1 and engine.global_rank == 0:
         hook = last.register_hook(lambda g: torch.full_like(g, float("nan")))
     engine.backward(loss)
     if hook is not None:

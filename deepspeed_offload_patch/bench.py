@@ -264,21 +264,37 @@ def _write_readme(path: str, text: str) -> None:
         f.write(f"{head}{start}\n{text}{end}{rest.split(end, 1)[1]}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's argument parser (``python -m deepspeed_offload_patch.bench``)."""
+    parser = argparse.ArgumentParser(prog="python -m deepspeed_offload_patch.bench",
+                                     description=__doc__.splitlines()[0],
+                                     epilog="Exit: 0, or 1 if a patched boundary backward synchronizes with the host.")
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", help="parameter tensors (default 50 200 800 3200)")
-    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=(1, 2))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--stages",
+                        type=int,
+                        nargs="+",
+                        default=[1, 2],
+                        choices=(1, 2),
+                        help="ZeRO stages (default both)")
+    parser.add_argument("--modes",
+                        nargs="+",
+                        default=list(MODES),
+                        choices=list(MODES),
+                        help="precisions: bf16 with the overflow check on, off, fp32 (default all)")
     parser.add_argument("--warmup", type=int, help="untimed steps after the counting step (default 2, quick 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 5, quick 3)")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2; 1 on a one-GPU machine)")
     parser.add_argument("--out", default=os.path.join("reports", "bench"), help="folder for bench.json, bench.png")
     parser.add_argument("--readme",
                         metavar="PATH",
-                        help="also write the table into this README, between the "
+                        help="also write the table into this Markdown file (docs/benchmark.md), between the "
                         "<!-- bench:start --> and <!-- bench:end --> markers")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 800, 3200])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps or (3 if args.quick else 5)

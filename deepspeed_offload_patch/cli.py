@@ -3,16 +3,22 @@
 """``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher,
 host-sync audit of a user's run.
 
-Exit codes of ``check`` (and of ``status`` and ``verify`` where they apply):
+Exit codes of ``check`` and ``status`` (the same for both; ``status`` prints the state whatever it is):
 
 ====  =====================================================================================
 0     the installed DeepSpeed gets the fix: patched on import (``applied``) or ``upstream-fixed``
-1     affected and the patch cannot apply: unknown release or code (``unsupported``); ``verify``: a check failed
+1     the fix is not active: ``unsupported`` (unknown release or code), or ``not-applied``
+      (``DS_OFFLOAD_PATCH_AUTO=0``), ``pending`` or ``reverted``
 2     usage error
 3     ``conflict``: another patch replaced one of the methods
 4     ``deepspeed-missing``
 5     ``disabled`` by ``DS_OFFLOAD_PATCH_DISABLE``
 ====  =====================================================================================
+
+``verify``: 0 pass, 1 a check failed or could not run, 2 usage. ``diff``: 0, 1 no diff for the installed DeepSpeed.
+``run``: the command's own exit code; 2 no command given; 127 the command cannot be started. ``audit``: the command's
+own code when it fails; 1 a budget exceeded or no optimizer step counted; 2 usage (no command); 127 the command
+cannot be started; else 0.
 """
 
 import argparse
@@ -158,21 +164,46 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds-offload-patch",
         description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
         "behavioural check, diff, launcher and host-sync audit.",
-        epilog="Exit codes: 0 fix active (applied or upstream-fixed), 1 unsupported "
-        "(or verify failed), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled; audit: see its --help.")
+        epilog="Exit codes of check and status: 0 fix active (applied or upstream-fixed), 1 not active "
+        "(unsupported, not-applied, pending, reverted), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled. verify: "
+        "0 pass, 1 fail. diff: 1 no diff for this DeepSpeed. run: the command's code, 2 no command, 127 cannot start "
+        "it. audit: see its --help.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    status = sub.add_parser("status", help="what the patch does with the installed DeepSpeed")
+    status = sub.add_parser("status",
+                            help="what the patch does with the installed DeepSpeed (exit code as check's)",
+                            description="Print the installed DeepSpeed's version, the patch state, the reason and "
+                            "the finding per method. Exit: as check's (0 only when the fix is active).")
     status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     status.set_defaults(func=_status_command)
-    sub.add_parser(
-        "check", help="CI gate: exit 0 only if the installed DeepSpeed gets the fix").set_defaults(func=_check_command)
-    verify = sub.add_parser("verify", help="train a tiny ZeRO-2 offload engine and prove there is no host sync")
-    verify.add_argument("--steps", type=int, default=3, help="optimizer steps under the host-sync guard")
+    sub.add_parser("check",
+                   help="CI gate: exit 0 only if the installed DeepSpeed gets the fix",
+                   description="One line; exit 0 when the installed DeepSpeed gets the fix (applied or "
+                   "upstream-fixed), 1 unsupported / not-applied / pending / reverted, 3 conflict, 4 DeepSpeed "
+                   "missing, 5 disabled.").set_defaults(func=_check_command)
+    verify = sub.add_parser("verify",
+                            help="train a tiny ZeRO-2 offload engine and prove there is no host sync",
+                            description="Train a tiny ZeRO-2 offload engine on one rank (CPU, or the GPU DeepSpeed "
+                            "finds) with every boundary backward under no_host_sync(), then show that a NaN gradient "
+                            "still skips the step. Exit 0 pass, 1 fail.")
+    verify.add_argument("--steps",
+                        type=_positive,
+                        default=3,
+                        metavar="N",
+                        help="optimizer steps under the host-sync guard (default 3)")
     verify.set_defaults(func=_verify_command)
-    diff = sub.add_parser("diff", help="print the unified diff of the same change for the installed release")
+    diff = sub.add_parser("diff",
+                          help="print the unified diff of the same change for the installed release",
+                          description="Print the unified diff from patches/ for the installed DeepSpeed (past the "
+                          "last release tested: the diff of the last release whose methods it has); its file name "
+                          "goes to stderr. Apply it with patch -p1 in site-packages. Exit 0, or 1 when there is no "
+                          "diff for this DeepSpeed.")
     diff.add_argument("--grad-norm", action="store_true", help="the opt-in on-device gradient norm's diff instead")
     diff.set_defaults(func=_diff_command)
-    run = sub.add_parser("run", help="run a command with the patch applied in every Python process it starts")
+    run = sub.add_parser("run",
+                         help="run a command with the patch applied in every Python process it starts",
+                         description="Run COMMAND with a bootstrap sitecustomize first on PYTHONPATH, so every "
+                         "Python process it starts (the ranks of deepspeed, torchrun, accelerate launch) imports the "
+                         "patch. Exit: the command's own code; 2 no command; 127 the command cannot be started.")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run_command)
     audit = sub.add_parser("audit",
@@ -180,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
                            "engine's forward, boundary backward, other backward and step() for the first optimizer "
                            "steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
-                           "step was counted, else 0.")
+                           "step was counted, 2 no command, 127 the command cannot be started, else 0.")
     audit.add_argument("--steps", type=_positive, default=3, metavar="N", help="optimizer steps to count (default 3)")
     audit.add_argument("--stop-after",
                        action="store_true",

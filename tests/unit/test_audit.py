@@ -171,20 +171,6 @@ def test_budgets_name_the_worst_step_of_each_rank_and_phase():
     assert audit_report.check_budgets(reports, {"max_backward_syncs": 7, "max_step_syncs": None}) == []
 
 
-def test_the_ci_template_audit_command_parses():
-    """The command in ci/templates/ds-offload-patch.yml is one this version accepts, with the budgets it says."""
-    import shlex
-
-    from deepspeed_offload_patch import cli
-
-    template = os.path.join(os.path.dirname(os.path.dirname(SCRIPT)), "ci", "templates", "ds-offload-patch.yml")
-    text = open(template).read().replace("\\\n", " ")
-    line = next(line for line in text.splitlines() if line.strip().startswith("ds-offload-patch audit"))
-    args = cli.build_parser().parse_args(shlex.split(line)[1:])
-    assert args.cmd == "audit" and args.stop_after and args.json and args.command[0] == "--", args
-    assert (args.steps, args.max_backward_syncs, args.max_step_syncs) == (2, 0, 64)
-
-
 def fake_engine_class():
     """A stand-in for DeepSpeedEngine with its accumulation bookkeeping (2 micro-batches per optimizer step) and known
     host reads: none in forward, 3 in the boundary backward, 1 in the other, 1 in the boundary step()."""

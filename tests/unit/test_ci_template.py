@@ -1,0 +1,95 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The CI template's own commands, read from ``ci/templates/ds-offload-patch.yml`` and run as a training repository
+runs them: its gate job on the installed DeepSpeed, its audit job on a plain smoke script (``ci/smoke_train.py`` as
+the repository's ``train.py``, with the template's ``ds_config_smoke.json``) at 40 and at 500 parameter tensors. A
+template that drifts from the CLI, or budgets that depend on the model's size, fail here."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+
+import pytest
+
+from unit.common import run_command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEMPLATES = os.path.join(ROOT, "ci", "templates")
+TEMPLATE = os.path.join(TEMPLATES, "ds-offload-patch.yml")
+BIN = os.path.dirname(sys.executable)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def template_commands():
+    """Every ``ds-offload-patch`` command of the template, as argument lists, and the environment it sets."""
+    text = open(TEMPLATE).read().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        line = line.strip()
+        line = line[len("run: "):] if line.startswith("run: ") else line
+        if line.startswith("ds-offload-patch "):
+            commands.append(shlex.split(line))
+    env = dict(re.findall(r"^\s+([A-Z_]+): \"([^\"]*)\"", text, re.M))
+    return commands, env
+
+
+def command(name):
+    commands, env = template_commands()
+    found = [c for c in commands if c[1] == name]
+    assert len(found) == 1, commands
+    return found[0], env
+
+
+def run_template(args, cwd, env=None):
+    env = dict(env or {})
+    env["PATH"] = BIN + os.pathsep + os.environ.get("PATH", "")  # this interpreter's ds-offload-patch and deepspeed
+    return run_command(args, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """A training repository as the template expects it: train.py and ds_config_smoke.json."""
+    folder = tmp_path_factory.mktemp("training_repo")
+    shutil.copy(os.path.join(ROOT, "ci", "smoke_train.py"), folder / "train.py")
+    shutil.copy(os.path.join(TEMPLATES, "ds_config_smoke.json"), folder / "ds_config_smoke.json")
+    return folder
+
+
+@pytest.mark.parametrize("name", ["check", "verify"])
+def test_the_gate_job_passes_on_the_installed_deepspeed(name, repo):
+    args, _ = command(name)
+    result = run_template(args, repo)
+    assert result.returncode == 0, result
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("layers, disabled", [(20, False), (250, False), (250, True)])
+def test_the_audit_job_passes_patched_and_fails_unpatched_whatever_the_size(layers, disabled, repo, tmp_path):
+    """Budgets that do not depend on the model: 40 and 500 tensors pass patched; 500 fail with the patch disabled,
+    naming the boundary backward and DeepSpeed's line."""
+    args, env = command("audit")
+    assert "--max-step-syncs" not in args, args  # step() grows with the model; the template must not budget it
+    report = tmp_path / "audit.json"
+    args = [report if arg == "ds-offload-patch-audit.json" else arg for arg in args] + ["--layers", str(layers)]
+    if disabled:
+        env["DS_OFFLOAD_PATCH_DISABLE"] = "1"
+    result = run_template([str(arg) for arg in args], repo, env=env)
+    output = result.stdout + result.stderr
+    ranks = json.loads(report.read_text())["runs"]["run"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1], ranks
+    tensors = 2 * layers
+    if disabled:
+        assert result.returncode == 1, output
+        for rank in (0, 1):
+            assert re.search(
+                rf"FAIL: boundary backward: rank {rank} made {tensors // 2} host syncs in optimizer step \d "
+                rf"\(budget 0\); top lines: +\d+ +deepspeed/runtime/zero/stage_1_and_2\.py:\d+ ", output), output
+    else:
+        assert result.returncode == 0, output
+        for r in ranks:
+            assert r["patch_state"] == "applied" and r["complete"], r
+            assert [step["boundary_backward"] for step in r["steps"]] == [0, 0], r
