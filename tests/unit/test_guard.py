@@ -127,8 +127,8 @@ def test_an_older_version_is_unsupported_whatever_its_form(tmp_path, version):
     assert f"older than the first supported release {guard.FIRST}" in decision.reason, decision.reason
 
 
-def test_an_unparseable_version_is_unsupported_and_said_so(tmp_path):
-    cls = _synthetic_class(tmp_path, "synthetic_unparseable", _unfixed_sources())
+def test_an_unparsable_version_is_unsupported_and_said_so(tmp_path):
+    cls = _synthetic_class(tmp_path, "synthetic_unparsable", _unfixed_sources())
     decision = guard.inspect_target(cls, "not-a-version")
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert "'not-a-version' cannot be parsed as a version" in decision.reason, decision.reason
