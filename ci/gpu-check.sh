@@ -4,7 +4,8 @@
 # The CUDA checks in one command, for a machine with one CUDA GPU (about 3 minutes): `ds-offload-patch verify` on
 # the GPU; the benchmark's CUDA mode, unpatched vs patched, at N = 398 parameter tensors (the model size of the
 # upstream report), with cudaStreamSynchronize and aten::item counted by torch.profiler in the boundary backward;
-# and the equivalence tests that run on one rank. Prints one summary line; exits 1 on a failed check, 3 (with a
+# the host-sync counter on a CUDA run (reads of CPU tensors are not syncs there); and the equivalence tests that run on
+# one rank. Prints one summary line; exits 1 on a failed check, 3 (with a
 # message, nothing run) when there is no CUDA GPU. Uses the active Python environment, or .venv if there is one.
 #
 #     ci/gpu-check.sh            # run the checks
@@ -21,6 +22,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions
 
 if [ "${1:-}" = "--dry-run" ]; then
     echo "gpu-check: would run: ds-offload-patch verify; bench --world-size 1 --sizes $N (CUDA sync counts);" \
+        "the host-sync counter on CUDA (a CPU read does not count, a CUDA read does);" \
         "pytest tests/unit/v1/zero/test_offload_one_rank.py"
     exit 0
 fi
@@ -75,6 +77,23 @@ if [ $? -ne 0 ]; then
     failures+=("CUDA sync counts: $syncs")
 fi
 
+# The counter on a GPU run: a read of a CUDA tensor counts, a read of a CPU tensor (which waits for nothing) does not.
+counter=$(python - <<'PY' 2>&1
+import sys, torch
+from deepspeed_offload_patch.hostsync import count_host_syncs, run_device_type
+with count_host_syncs() as cpu_read:
+    torch.tensor(1.0).item()
+with count_host_syncs() as cuda_read:
+    torch.tensor(1.0, device="cuda").item()
+print(f"counter on {run_device_type()}: a CPU tensor's .item() {cpu_read.total} (expected 0), a CUDA tensor's "
+      f"{cuda_read.total} (expected 1)")
+sys.exit(0 if (cpu_read.total, cuda_read.total) == (0, 1) else 1)
+PY
+)
+if [ $? -ne 0 ]; then
+    failures+=("host-sync counter on CUDA: $counter")
+fi
+
 if timeout 600 python -m pytest -q -p no:cacheprovider tests/unit/v1/zero/test_offload_one_rank.py \
     > "$OUT/equivalence.log" 2>&1; then
     equivalence="$(tail -1 "$OUT/equivalence.log")"
@@ -83,7 +102,7 @@ else
     failures+=("one-rank equivalence (see $OUT/equivalence.log)")
 fi
 
-summary="gpu-check: verify $verify; bench $bench: $syncs; equivalence: $equivalence"
+summary="gpu-check: verify $verify; bench $bench: $syncs; $counter; equivalence: $equivalence"
 if [ ${#failures[@]} -gt 0 ]; then
     echo "$summary; FAILED: ${failures[*]}"
     exit 1

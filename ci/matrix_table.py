@@ -35,6 +35,7 @@ def passed(result: dict) -> bool:
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
     ok = ok and result.get("red_green", "pass") == "pass"
+    ok = ok and result.get("watch", {}).get("as_expected", True)
     if "diff_tests" in result:
         ok = (ok and result["diff_state"] == "upstream-fixed"
               and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", "upstream-fixed")

@@ -216,6 +216,7 @@ def variant(session: nox.Session, kind: str) -> None:
     session.chdir(ROOT)
     result = {"release": version, "variant": f"{VARIANT_BASE} sdist, {kind}", "expected": expected}
     result["state"] = _status(session, env=CLEAN)["state"]
+    result["watch"] = _watch(session, kind, should_pass=expected != "unsupported")
     if expected == "applied":
         result.update(_lite(session, kind) if "lite" in session.posargs else _suite(session, kind, core=True))
     elif expected == "upstream-fixed":
@@ -228,6 +229,21 @@ def variant(session: nox.Session, kind: str) -> None:
         result["suite"] = "tests/release/test_unsupported_release.py"
         result["tests"] = _pytest(session, kind, "tests/release/test_unsupported_release.py", env=CLEAN)
     _finish(session, f"variant-{kind}", result)
+
+
+def _watch(session: nox.Session, name: str, should_pass: bool) -> dict:
+    """The upstream watch's own command, read from its workflow, on this build: it must pass where the fix is active
+    and fail, naming the method whose code is new, where it is not."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    from upstream_watch import TEMPLATE, template_command
+    report = os.path.join(REPORTS, f"watch-{name}.md")
+    command = [report if arg == "watch.md" else arg for arg in template_command(os.path.join(ROOT, TEMPLATE))]
+    out = session.run(*command, env=CLEAN, silent=True, success_codes=[0, 1])
+    line = next((line for line in out.splitlines() if line.startswith("upstream watch:")), out[-500:])
+    session.log(line)
+    passed = line.startswith("upstream watch: OK")
+    names_new_form = "new forms: update_offload_overflow_tracker (" in line and "fingerprint" in line
+    return {"line": line, "as_expected": passed if should_pass else (not passed and names_new_form)}
 
 
 def _with_diff(session: nox.Session, deepspeed: str) -> dict:

@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from deepspeed_offload_patch.testing import count_host_syncs
+from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step
 

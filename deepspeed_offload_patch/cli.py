@@ -129,7 +129,7 @@ def _run_command(args) -> int:
 
 
 def _audit_command(args) -> int:
-    from deepspeed_offload_patch.audit import audit
+    from deepspeed_offload_patch.audit.command import audit
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         print("ds-offload-patch audit: give a command after --", file=sys.stderr)

@@ -53,8 +53,6 @@ GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
 FIX_FORMS = (OVERFLOW_FLAG, OVERFLOW_FLAG_PER_PARAM)
 PATCH_SETS = FIX_FORMS + (GRAD_NORM, )
 
-#: The methods the default patch replaces, in its current form (DeepSpeed 0.17.1 and later).
-METHODS = OVERFLOW_FLAG.methods
 #: Every method some patch set replaces (the fingerprint table covers them all).
 ALL_METHODS = tuple(dict.fromkeys(name for patch_set in PATCH_SETS for name in patch_set.methods))
 
@@ -130,13 +128,6 @@ def release_of(version: str) -> Optional[Version]:
         return None
 
 
-def in_supported_range(version: str) -> bool:
-    """Whether ``version`` is one of the releases tested, ``FIRST`` to ``LAST`` (a local build counts as its
-    release)."""
-    release = release_of(version)
-    return release is not None and Version(FIRST) <= release <= Version(LAST)
-
-
 def newer_than_tested(version: str) -> bool:
     """Whether ``version`` is past the last release tested: a later release, or a dev or local build of one."""
     release = release_of(version)
@@ -182,14 +173,14 @@ def probe_tracker(cls: type) -> Optional[str]:
     behaves as fixed, else what it did.
 
     Fixed means: with ``check_grad_overflow`` off it checks nothing and leaves the flag alone; with it on, fed check
-    results whose truth value raises (:class:`~deepspeed_offload_patch.testing.RaisingBoolTensor`), it reads nothing
+    results whose truth value raises (:class:`~deepspeed_offload_patch.hostsync.RaisingBoolTensor`), it reads nothing
     on the host (counted at the dispatcher) and leaves a tensor flag that is true exactly when a result was. Every
     tensor stays on the CPU (device arguments are mapped to it); the tracker may still ask the accelerator for its
     device name. Any exception counts as not fixed. Only code that matches no known form is probed.
     """
     import torch
 
-    from deepspeed_offload_patch.testing import RaisingBoolTensor, count_host_syncs, on_the_cpu
+    from deepspeed_offload_patch.hostsync import RaisingBoolTensor, count_host_syncs, on_the_cpu
 
     tracker = cls.__dict__[OVERFLOW_FLAG.methods[0]]
     calls = []
@@ -208,7 +199,7 @@ def probe_tracker(cls: type) -> Optional[str]:
 
     bad = torch.tensor([1.0, float("inf")])
     try:
-        with on_the_cpu(), count_host_syncs() as syncs:
+        with on_the_cpu(), count_host_syncs(device="cpu") as syncs:  # its tensors are all on the CPU: count all
             off = bare(False)
             tracker(off, bad)
             if calls or off.local_overflow is not False:

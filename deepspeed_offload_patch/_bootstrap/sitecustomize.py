@@ -35,8 +35,8 @@ def _audit() -> None:
     if not os.environ.get("DS_OFFLOAD_PATCH_AUDIT_DIR"):
         return
     try:
-        from deepspeed_offload_patch import auditor
-        auditor.install_from_environment()
+        from deepspeed_offload_patch.audit import rank
+        rank.install_from_environment()
     except Exception as exc:  # the run goes on unaudited; ``ds-offload-patch audit`` then reports no counted step
         print(f"[deepspeed_offload_patch] bootstrap: the audit was not loaded: {exc!r}", file=sys.stderr)
 

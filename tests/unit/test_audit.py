@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from deepspeed_offload_patch import audit_report
+from deepspeed_offload_patch.audit import report as audit_report
 from unit.common import HANG_GUARD_S, assert_ok, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
@@ -206,7 +206,7 @@ def audit_state(tmp_path, monkeypatch):
     """The auditor of this process, counting 2 steps into ``tmp_path``, on a fresh stand-in engine class."""
     import types
 
-    from deepspeed_offload_patch import auditor
+    from deepspeed_offload_patch.audit import rank as auditor
 
     monkeypatch.setenv(auditor.DIR, str(tmp_path))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
@@ -287,7 +287,7 @@ def test_no_second_profiler_while_the_runs_own_is_on():
     """A second torch profiler would record nothing and stop the run's own one: the audit then counts no CUDA syncs."""
     from torch.profiler import ProfilerActivity, profile
 
-    from deepspeed_offload_patch import auditor
+    from deepspeed_offload_patch.audit import rank as auditor
 
     assert not auditor._profiler_running()
     with profile(activities=[ProfilerActivity.CPU]):

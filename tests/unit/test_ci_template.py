@@ -93,3 +93,22 @@ def test_the_audit_job_passes_patched_and_fails_unpatched_whatever_the_size(laye
         for r in ranks:
             assert r["patch_state"] == "applied" and r["complete"], r
             assert [step["boundary_backward"] for step in r["steps"]] == [0, 0], r
+
+
+def test_the_upstream_watch_passes_on_the_newest_release(tmp_path):
+    """The watch workflow's own command on the DeepSpeed installed here (the newest release this machine reaches). The
+    builds it must fail on (a tracker that still reads the host) run in the matrix's variant sessions."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    from upstream_watch import TEMPLATE, template_command
+
+    text = open(os.path.join(ROOT, TEMPLATE)).read()
+    for source in ("pip install --upgrade deepspeed", "pip install --upgrade --pre deepspeed",
+                   "git+https://github.com/deepspeedai/DeepSpeed.git", "schedule:", "gh issue create"):
+        assert source in text, source
+    command = template_command(os.path.join(ROOT, TEMPLATE))
+    report = tmp_path / "watch.md"
+    command = [sys.executable if arg == "python" else str(report) if arg == "watch.md" else arg for arg in command]
+    result = run_template(command, ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "upstream watch: OK: DeepSpeed" in result.stdout and "verify passes" in result.stdout, result.stdout
+    assert report.read_text().startswith("upstream watch: OK"), report.read_text()

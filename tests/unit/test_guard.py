@@ -49,13 +49,12 @@ def test_installed_deepspeed_is_a_recorded_unfixed_form():
         assert guard.newer_than_tested(deepspeed.__version__) or deepspeed.__version__ in releases, name
 
 
-@pytest.mark.parametrize("version, supported, newer", [("0.14.0", True, False), ("0.16.9", True, False),
-                                                       ("0.17.0", True, False), ("0.19.8", True, False),
-                                                       ("0.19.8+abc123", True, False), ("0.13.5", False, False),
-                                                       ("0.19.9", False, True), ("0.20.0.dev0", False, True),
-                                                       ("1.0.0", False, True), ("garbage", False, False)])
-def test_supported_range(version, supported, newer):
-    assert guard.in_supported_range(version) is supported
+@pytest.mark.parametrize("version, release, newer", [("0.14.0", "0.14.0", False), ("0.19.8", "0.19.8", False),
+                                                     ("0.19.8+abc123", "0.19.8", False), ("0.13.5", "0.13.5", False),
+                                                     ("0.19.9", "0.19.9", True), ("0.20.0.dev0", "0.20.0", True),
+                                                     ("1.0.0", "1.0.0", True), ("garbage", None, False)])
+def test_release_part_and_newer_than_tested(version, release, newer):
+    assert str(guard.release_of(version)) == release if release else guard.release_of(version) is None
     assert guard.newer_than_tested(version) is newer
 
 

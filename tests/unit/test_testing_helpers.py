@@ -78,3 +78,50 @@ def test_a_hung_command_is_named_with_the_time_it_had():
     from unit.common import run_python
     with pytest.raises(AssertionError, match=r"hang guard: .* did not finish within 2 s; it printed:\nstarted"):
         run_python("import time; print('started', flush=True); time.sleep(3600)", timeout=2)
+
+
+class _ReportsAnotherDevice(torch.Tensor):
+    """A CPU tensor that says it lives on ``device`` (as an accelerator's tensors do), for testing without one."""
+
+    @staticmethod
+    def __new__(cls, inner, device):
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=device)
+        wrapper.inner = inner
+        return wrapper
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x):
+            return x.inner if isinstance(x, _ReportsAnotherDevice) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def test_on_an_accelerator_only_reads_of_its_tensors_count():
+    on_device = _ReportsAnotherDevice(torch.tensor(float("nan")), "cuda")
+    assert on_device.device.type == "cuda"
+
+    def reads():
+        torch.tensor(2.0).item()  # a CPU tensor: waits for nothing on an accelerator run
+        torch.tensor([1, 2]).tolist()
+        on_device.item()  # an accelerator tensor: a real host sync
+
+    with count_host_syncs(device="cuda") as syncs:
+        reads()
+    assert syncs.counts == {"aten._local_scalar_dense": 1}, syncs.counts
+    assert "on_device.item()" in syncs.events[0][1], syncs.events
+    with count_host_syncs(device="cpu") as syncs:  # the CPU stands in for the device: every read counts
+        reads()
+    assert syncs.counts == {"aten._local_scalar_dense": 2, "Tensor.tolist": 1}, syncs.counts
+    with no_host_sync(device="cuda"):
+        torch.tensor(2.0).item()
+    with pytest.raises(HostSyncError, match="aten._local_scalar_dense"):
+        with no_host_sync(device="cuda"):
+            on_device.item()
+
+
+def test_the_run_device_is_deepspeeds_accelerator_or_the_cpu():
+    from deepspeed_offload_patch.hostsync import run_device_type
+    assert run_device_type() == ("cuda" if torch.cuda.is_available() else "cpu")

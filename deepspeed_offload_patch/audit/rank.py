@@ -30,6 +30,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
 from deepspeed_offload_patch import import_hook
+from deepspeed_offload_patch.audit.report import PHASES, table
 from deepspeed_offload_patch.log import rank_and_world
 
 #: The folder the rank reports go to; the audit is on in a process only when this is set.
@@ -44,13 +45,6 @@ TOP = "DS_OFFLOAD_PATCH_AUDIT_TOP"
 PRINT = "DS_OFFLOAD_PATCH_AUDIT_PRINT"
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
-PHASES = ("forward", "boundary_backward", "other_backward", "step")
-PHASE_TITLES = {
-    "forward": "forward",
-    "boundary_backward": "boundary backward",
-    "other_backward": "other backward",
-    "step": "step()",
-}
 CUDA_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 REPORT = "report.json"
 
@@ -159,7 +153,7 @@ def _cuda_profiler():
 def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
     """``method`` wrapped so that each call's host syncs go to the phase ``phase_of(engine)`` names (decided before
     the call: ``backward()`` moves the micro-step counter). Nested engine calls count once."""
-    from deepspeed_offload_patch.testing import count_host_syncs
+    from deepspeed_offload_patch.hostsync import count_host_syncs
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -247,7 +241,6 @@ def _single_node(world: int) -> bool:
 def _finish(engine) -> None:
     """The counted steps are done: write this rank's report; rank 0 prints every rank's; stop if asked."""
     global _written
-    from deepspeed_offload_patch import audit_report
 
     rank, world = rank_and_world()
     report = _state.report(rank, world, engine)
@@ -258,7 +251,7 @@ def _finish(engine) -> None:
     if rank == 0 and reports is not None:
         _write(REPORT, {"ranks": reports})
         if os.environ.get(PRINT) != "0":
-            print(audit_report.table(reports), flush=True)
+            print(table(reports), flush=True)
     if os.environ.get(STOP_AFTER) == "1":
         print(f"[ds-offload-patch audit] rank {rank}: stopping after {_state.steps_wanted} counted steps", flush=True)
         sys.stdout.flush()

@@ -20,7 +20,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
-from deepspeed_offload_patch import audit_report, auditor
+from deepspeed_offload_patch.audit import rank as auditor
+from deepspeed_offload_patch.audit import report as audit_report
 from deepspeed_offload_patch.launcher import patched_environment
 
 PREFIX = "ds-offload-patch audit"

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``ds-offload-patch audit``'s numbers as people read them: the per-rank table, the top lines, budget checks.
 
-Every function takes rank reports as :mod:`deepspeed_offload_patch.auditor` writes them (a list of dicts, one per
+Every function takes rank reports as :mod:`deepspeed_offload_patch.audit.rank` writes them (a list of dicts, one per
 rank) and never imports DeepSpeed or torch, so rank 0 and the command that launched the run print the same text.
 """
 
@@ -10,7 +10,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from deepspeed_offload_patch.auditor import PHASE_TITLES, PHASES
+#: The phases of an optimizer step that each rank counts, in the order the tables show them.
+PHASES = ("forward", "boundary_backward", "other_backward", "step")
+PHASE_TITLES = {
+    "forward": "forward",
+    "boundary_backward": "boundary backward",
+    "other_backward": "other backward",
+    "step": "step()",
+}
 
 #: The budgets the command line can set: option -> the phases it limits.
 BUDGET_PHASES = {

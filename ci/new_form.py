@@ -1,0 +1,84 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The runbook's second step: what changed in the installed DeepSpeed's methods, against the forms the package knows.
+
+Run in an environment where that DeepSpeed is installed. For each method a patch set replaces, it prints the guard's
+finding, the method's fingerprint and, for a form the package does not know, the known release whose method is
+closest (by text, from the sdists' cache: ``ci/sdists.py``) with a unified diff from it. That diff is what a new
+replacement in ``deepspeed_offload_patch/overflow.py`` (or ``grad_norm.py``) has to answer.
+
+    python ci/new_form.py [--sdists CACHE]
+"""
+
+import argparse
+import difflib
+import importlib
+import inspect
+import os
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# DeepSpeed's own methods are what is read here: the import of the package below must not patch them.
+os.environ["DS_OFFLOAD_PATCH_DISABLE"] = "1"
+sys.path.insert(0, os.path.join(ROOT, "ci"))
+
+from gen_fingerprints import method_sources, read_target  # noqa: E402
+from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
+
+from deepspeed_offload_patch import guard  # noqa: E402
+from deepspeed_offload_patch.fingerprints import UNFIXED  # noqa: E402
+
+KNOWN = ("patchable", "fixed", "ours")
+
+
+def known_sources(sdists: str, name: str) -> dict:
+    """``{release: source}`` of method ``name``: the last release of each known unfixed form."""
+    found = {}
+    for releases in UNFIXED.get(name, {}).values():
+        release = releases[-1]
+        source = method_sources(read_target(sdist_path(sdists, release), release), names=(name, )).get(name)
+        if source:
+            found[release] = textwrap.dedent(source)
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sdists", default=DEFAULT_CACHE, help="the sdist cache (default: %(default)s)")
+    args = parser.parse_args()
+    import deepspeed
+    cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
+    print(f"DeepSpeed {deepspeed.__version__}")
+    new = 0
+    for name in guard.ALL_METHODS:
+        if name not in cls.__dict__:
+            print(f"{name}: not defined here")
+            continue
+        finding, _ = guard.classify_method(cls, name)
+        digest = guard.fingerprint(cls.__dict__[name])
+        known = UNFIXED.get(name, {}).get(digest)
+        print(f"{name}: {finding}, fingerprint {digest}" +
+              (f" (the form of {known[0]} - {known[-1]})" if known else ""))
+        if finding in KNOWN:
+            continue
+        new += 1
+        source = textwrap.dedent(inspect.getsource(cls.__dict__[name]))
+        candidates = known_sources(args.sdists, name)
+        if not candidates:
+            print(source)
+            continue
+        release, closest = max(candidates.items(),
+                               key=lambda item: difflib.SequenceMatcher(None, item[1], source).ratio())
+        print("".join(
+            difflib.unified_diff(closest.splitlines(keepends=True),
+                                 source.splitlines(keepends=True),
+                                 fromfile=f"{name} in DeepSpeed {release}",
+                                 tofile=f"{name} in DeepSpeed {deepspeed.__version__}")))
+    print(f"{new} method(s) in a form the package does not know")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The upstream watch's check, run in an environment with a DeepSpeed to watch (the newest release, a pre-release,
+DeepSpeed's git main) and this package installed: ``ds-offload-patch status --json``, then ``verify``.
+
+It passes when the fix is active (``applied`` or ``upstream-fixed``) and ``verify`` passes. It fails (exit 1) when
+the state is anything else or ``verify`` fails, with one line that names the DeepSpeed, the state and each method
+whose code is a form the package does not know (its fingerprint is new): the first step of the runbook in
+``ci/README.md``, "A new DeepSpeed form". ``--report FILE`` also writes that text, with the status, as Markdown (the
+body of the issue the workflow opens).
+
+    python ci/upstream_watch.py [--report watch.md]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Dict, List, Tuple
+
+GOOD = ("applied", "upstream-fixed")
+TEMPLATE = "ci/templates/upstream-watch.yml"
+
+
+def template_command(path: str) -> List[str]:
+    """The watch's command as the workflow at ``path`` runs it (its ``run:`` line that calls this script)."""
+    import shlex
+    for line in open(path):
+        line = line.strip()
+        line = line[len("run: "):] if line.startswith("run: ") else line
+        if line.startswith("python ci/upstream_watch.py"):
+            return shlex.split(line)
+    raise LookupError(f"{path} runs no python ci/upstream_watch.py")
+
+
+def status() -> Dict:
+    """``ds-offload-patch status --json`` of this environment (its exit code says the same as the state)."""
+    out = subprocess.run([sys.executable, "-m", "deepspeed_offload_patch", "status", "--json"],
+                         capture_output=True,
+                         text=True).stdout
+    return json.loads(out[out.index("{"):])
+
+
+def fingerprints(methods: Dict[str, str]) -> List[str]:
+    """The methods whose finding says their code is no form the package knows, each with its new fingerprint."""
+    import importlib
+
+    new = [name for name, finding in methods.items() if finding not in ("patchable", "fixed", "ours")]
+    if not new:
+        return []
+    from deepspeed_offload_patch.guard import fingerprint
+    cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
+    return [
+        f"{name} ({methods[name]}, fingerprint {fingerprint(cls.__dict__[name])})"
+        if name in cls.__dict__ else f"{name} ({methods[name]})" for name in new
+    ]
+
+
+def verify() -> Tuple[int, str]:
+    result = subprocess.run([sys.executable, "-m", "deepspeed_offload_patch", "verify"],
+                            capture_output=True,
+                            text=True)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("verify:")]
+    return result.returncode, "\n".join(lines) or result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", metavar="FILE", help="also write the verdict and the status as Markdown")
+    args = parser.parse_args()
+    found = status()
+    version, state = found.get("deepspeed_version"), found["state"]
+    problems = []
+    if state not in GOOD:
+        new = fingerprints(found.get("methods", {}))
+        problems.append(f"state {state}: {found['reason']}" + (f"; new forms: {', '.join(new)}" if new else ""))
+    code, verified = verify()
+    if code != 0:
+        problems.append(f"verify failed: {verified.splitlines()[-1] if verified else code}")
+    if problems:
+        line = f"upstream watch: FAIL: DeepSpeed {version}: " + "; ".join(problems)
+    else:
+        line = f"upstream watch: OK: DeepSpeed {version} is {state}, verify passes"
+    print(line)
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(f"{line}\n\nNext: the runbook \"A new DeepSpeed form\" in ci/README.md.\n\n"
+                    f"```json\n{json.dumps(found, indent=2, sort_keys=True)}\n```\n\n```\n{verified}\n```\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Host synchronizations seen at PyTorch's dispatcher: the one mechanism the guard's probe, the audit, ``verify``, the
+benchmark and the test helpers count with. It imports nothing of this package.
+
+* :func:`count_host_syncs` counts host reads of tensor values by op, with the Python line of each.
+* :func:`no_host_sync` raises :class:`HostSyncError` at the first one.
+* :class:`RaisingBoolTensor` is a tensor whose truth value cannot be taken, to feed through code under test.
+
+``torch.cuda.set_sync_debug_mode`` only exists for CUDA; these work wherever PyTorch's dispatcher runs, including
+inside autograd hooks (DeepSpeed reduces gradients in backward hooks). They are thread-local, like PyTorch's modes:
+the autograd engine carries them into its worker threads.
+
+Which reads count depends on where the run's tensors live (``device``). On the CPU accelerator the CPU stands in for
+the device: every read counts, as the tests need. On an accelerator only reads of tensors on it (and blocking copies
+from it into host memory) count: reading a CPU tensor there waits for nothing.
+"""
+
+import contextlib
+import os
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "HostSyncError", "HostSyncCounter", "RaisingBoolTensor", "count_host_syncs", "no_host_sync", "on_the_cpu",
+    "run_device_type"
+]
+
+aten = torch.ops.aten
+
+# Ops that hand a tensor's value to the host: on an accelerator each one waits for the device.
+_READ_OPS = {
+    aten._local_scalar_dense.default: "aten._local_scalar_dense",
+    aten.is_nonzero.default: "aten.is_nonzero",
+    aten.item.default: "aten.item",
+    aten.equal.default: "aten.equal",
+}
+# Ops whose output size depends on device data: a sync on accelerators, free on the CPU.
+_DATA_DEPENDENT_OPS = {
+    aten.nonzero.default: "aten.nonzero",
+    aten.masked_select.default: "aten.masked_select",
+}
+_SKIP_FILES = (os.path.dirname(torch.__file__), os.path.abspath(__file__), contextlib.__file__)
+
+
+class HostSyncError(RuntimeError):
+    """Raised by :func:`no_host_sync` and by :class:`RaisingBoolTensor` when a device value is read on the host."""
+
+
+def _caller() -> str:
+    """The innermost Python line outside PyTorch and this module: the code that asked for the host read."""
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_SKIP_FILES):
+            return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    return "<unknown>"
+
+
+def _device_type(value) -> Optional[str]:
+    return value.device.type if isinstance(value, torch.Tensor) else None
+
+
+def _blocking_device_to_host(func, args, kwargs) -> bool:
+    """A copy from an accelerator into host memory that the host waits for (non_blocking copies do not wait)."""
+    if func is aten._to_copy.default:
+        target = kwargs.get("device")
+        source = _device_type(args[0])
+        return (target is not None and torch.device(target).type == "cpu" and source not in (None, "cpu", "meta")
+                and not kwargs.get("non_blocking", False))
+    if func is aten.copy_.default:
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return (_device_type(args[0]) == "cpu" and _device_type(args[1]) not in (None, "cpu", "meta")
+                and not non_blocking)
+    return False
+
+
+def _on(value, device: str) -> bool:
+    """Whether ``value`` is a tensor whose reads count when the run's tensors live on ``device`` (a type)."""
+    kind = _device_type(value)
+    return kind is not None and (device == "cpu" or kind == device)
+
+
+def _classify(func, args, kwargs, device: str) -> Optional[str]:
+    """The name of the host read ``func`` performs that counts for a run on ``device``, or None."""
+    if func in _READ_OPS:
+        return _READ_OPS[func] if any(_on(arg, device) for arg in args[:2]) else None
+    if func in _DATA_DEPENDENT_OPS and _device_type(args[0]) not in ("cpu", "meta"):
+        return _DATA_DEPENDENT_OPS[func]
+    if _blocking_device_to_host(func, args, kwargs):
+        return "device-to-host copy"
+    return None
+
+
+def run_device_type() -> str:
+    """The device type the run's tensors live on: DeepSpeed's accelerator once DeepSpeed has loaded it (never
+    importing DeepSpeed), else PyTorch's current accelerator, else ``cpu``."""
+    import sys
+    accelerator = sys.modules.get("deepspeed.accelerator")
+    if accelerator is not None:
+        try:
+            return torch.device(accelerator.get_accelerator().device_name()).type
+        except Exception:  # a half-imported DeepSpeed: fall back to PyTorch's view
+            pass
+    current = getattr(getattr(torch, "accelerator", None), "current_accelerator", None)
+    found = current() if current is not None else None
+    if found is None and torch.cuda.is_available():
+        return "cuda"
+    return found.type if found is not None else "cpu"
+
+
+@dataclass
+class HostSyncCounter:
+    """What :func:`count_host_syncs` saw: counts by op, and each event as ``(op, python line)``."""
+
+    counts: Counter = field(default_factory=Counter)
+    events: List[Tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+class _DispatchWatch(TorchDispatchMode):
+
+    def __init__(self, on_sync: Callable[[str], None], device: str):
+        super().__init__()
+        self._on_sync = on_sync
+        self._device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _classify(func, args, kwargs, self._device)
+        if op is not None:
+            self._on_sync(op)
+        return func(*args, **kwargs)
+
+
+class _FunctionWatch(TorchFunctionMode):
+    """``Tensor.tolist`` and ``Tensor.numpy`` read CPU tensors without reaching the dispatcher: catch them here."""
+
+    _METHODS = {torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.numpy: "Tensor.numpy"}
+
+    def __init__(self, on_sync: Callable[[str], None], device: str):
+        super().__init__()
+        self._on_sync = on_sync
+        self._device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._METHODS and args and _on(args[0], self._device):
+            self._on_sync(self._METHODS[func])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Optional[str]) -> Iterator[None]:
+    device = torch.device(device).type if device is not None else run_device_type()
+    previous = None
+    if cuda_mode is not None and torch.cuda.is_available():
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(cuda_mode)
+    try:
+        with _FunctionWatch(on_sync, device), _DispatchWatch(on_sync, device):
+            yield
+    finally:
+        if previous is not None:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: Optional[str] = None) -> Iterator[HostSyncCounter]:
+    """Count host reads of tensor values inside the block, by op, with the Python line of each.
+
+    Counted: ``aten._local_scalar_dense`` (what ``.item()``, ``bool()``, ``int()``, ``float()`` and a tensor in an
+    ``if`` reduce to), ``aten.is_nonzero``, ``aten.item``, ``aten.equal``, ``Tensor.tolist``/``numpy``, and on
+    accelerators data-dependent ops (``nonzero``, ``masked_select``) and blocking device-to-host copies.
+    Non-blocking copies into host memory are not counted: the host does not wait for them.
+
+    ``device`` is where the run's tensors live (a device or its type; default :func:`run_device_type`). ``cpu``
+    counts every read, of any tensor; an accelerator counts reads of tensors on that accelerator only.
+    """
+    counter = HostSyncCounter()
+
+    def record(op: str) -> None:
+        counter.counts[op] += 1
+        counter.events.append((op, _caller()))
+
+    with _watch(record, cuda_mode=None, device=device):
+        yield counter
+
+
+@contextlib.contextmanager
+def no_host_sync(device: Optional[str] = None) -> Iterator[None]:
+    """Raise :class:`HostSyncError` at the first host read inside the block (see :func:`count_host_syncs` for
+    what counts, and ``device``). The message names the op and the Python line. On CUDA,
+    ``torch.cuda.set_sync_debug_mode("error")`` is also on inside the block, and restored after it.
+    """
+
+    def fail(op: str) -> None:
+        raise HostSyncError(f"host synchronization: {op} at {_caller()}")
+
+    with _watch(fail, cuda_mode="error", device=device):
+        yield
+
+
+class RaisingBoolTensor(torch.Tensor):
+    """A tensor whose truth value cannot be taken: ``bool(t)``, ``if t:``, ``t and x`` raise :class:`HostSyncError`.
+
+    Make one with ``RaisingBoolTensor.wrap(tensor)`` (no copy). Results of ops on it are RaisingBoolTensors too, so
+    anything derived from it keeps the property: feed it where a device flag flows (for example as the result of
+    DeepSpeed's ``_has_inf_or_nan``) and any ``if`` on the flag fails loudly. ``.item()`` still works: that is an
+    explicit, visible read. ``plain(t)`` gives back an ordinary tensor view.
+    """
+
+    @staticmethod
+    def wrap(tensor: torch.Tensor) -> "RaisingBoolTensor":
+        return tensor.as_subclass(RaisingBoolTensor)
+
+    @staticmethod
+    def plain(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.as_subclass(torch.Tensor)
+
+    def __bool__(self):
+        raise HostSyncError(f"truth value of a device flag taken on the host at {_caller()}")
+
+
+class _OnTheCpu(TorchFunctionMode):
+    """Maps every device argument of a torch call to the CPU, and ``Tensor.cuda()`` to no move at all."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if isinstance(arg, (str, torch.device)) else arg for arg in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_the_cpu() -> Iterator[None]:
+    """Keep every tensor that code creates or moves inside the block on the CPU, whatever device it names.
+
+    For trying code on throwaway inputs (the guard's probe of an unknown tracker) without touching an accelerator.
+    Device names that code asks for (``get_accelerator().current_device_name()``) are still computed.
+    """
+    with _OnTheCpu():
+        yield
