@@ -194,31 +194,58 @@ def _finish(session: nox.Session, name: str, result: dict) -> None:
         session.error(f"DeepSpeed {name}: {result}")
 
 
+def _variant_tools(session: nox.Session) -> None:
+    os.makedirs(REPORTS, exist_ok=True)
+    _install_torch(session, "torch==2.13.0")
+    session.install("pytest", "packaging", "setuptools", "wheel")
+
+
 @nox.session
 @nox.parametrize("kind", list(VARIANTS))
 def variant(session: nox.Session, kind: str) -> None:
     """DeepSpeed built from 0.19.8's own sdist with its version.txt changed (a later release, a dev build), or with
     its tracker edited (see ``ci/variants.py``): the package must report the state in ``VARIANTS``. Applied builds
     run the ZeRO suite; a fix in other words must pass ``check`` (exit 0) and the non-equivalence ZeRO tests on
-    DeepSpeed's own fixed code (the package reports it upstream-fixed and patches nothing of the fix); an edited tracker that still truth-tests must be refused as on an unknown release."""
+    DeepSpeed's own fixed code (the package reports it upstream-fixed and patches nothing of the fix); an edited
+    tracker that still truth-tests must be refused as on an unknown release. Each also runs the upstream watch's
+    command, which must pass or fail accordingly."""
+    _variant_tools(session)
+    _variant(session, kind, "lite" if "lite" in session.posargs else "core")
+
+
+@nox.session
+def variants(session: nox.Session) -> None:
+    """CI's variants (the first three) in one virtualenv, each build installed over the last: torch and the tools are
+    installed once. A build whose code is 0.19.8's (only its version differs) runs ``smoke``: its state, ``check``,
+    ``verify``, the watch and the boundary-backward sync tests (``ci/test.sh`` ran 0.19.8's whole suite); the others
+    run ``lite``."""
+    _variant_tools(session)
+    for kind in CI_VARIANTS:
+        _variant(session, kind, "smoke" if VARIANTS[kind][1] is None else "lite")
+
+
+def _variant(session: nox.Session, kind: str, profile: str) -> None:
     version, edit, expected = VARIANTS[kind]
-    os.makedirs(REPORTS, exist_ok=True)
-    _install_torch(session, "torch==2.13.0")
-    session.install("pytest", "packaging", "setuptools", "wheel")
+    session.chdir(ROOT)
     tree = session.run("python",
                        os.path.join(ROOT, "ci", "variants.py"),
                        VARIANT_BASE,
                        version,
                        edit or "none",
                        silent=True).strip().splitlines()[-1]
-    session.install("--no-build-isolation", tree)
+    # DeepSpeed's own requirements, then the build over whatever DeepSpeed the virtualenv holds (in a shared or reused
+    # one, another build may carry the same version number, which a plain install would take as already there).
+    session.install("-r", os.path.join(tree, "requirements", "requirements.txt"))
+    session.install("--no-build-isolation", "--no-deps", "--force-reinstall", tree)
     session.install("--no-deps", "--force-reinstall", ROOT)
-    session.chdir(ROOT)
     result = {"release": version, "variant": f"{VARIANT_BASE} sdist, {kind}", "expected": expected}
     result["state"] = _status(session, env=CLEAN)["state"]
     result["watch"] = _watch(session, kind, should_pass=expected != "unsupported")
     if expected == "applied":
-        result.update(_lite(session, kind) if "lite" in session.posargs else _suite(session, kind, core=True))
+        if profile == "smoke":
+            result.update(_smoke(session, kind))
+        else:
+            result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
     elif expected == "upstream-fixed":
         session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
         # The package patches nothing of the fix here: the flag tests run on DeepSpeed's own fixed code. (The
@@ -229,6 +256,15 @@ def variant(session: nox.Session, kind: str) -> None:
         result["suite"] = "tests/release/test_unsupported_release.py"
         result["tests"] = _pytest(session, kind, "tests/release/test_unsupported_release.py", env=CLEAN)
     _finish(session, f"variant-{kind}", result)
+
+
+def _smoke(session: nox.Session, name: str) -> dict:
+    """``smoke``: ``check``, ``verify`` and the boundary-backward sync tests, for a build whose code is byte for byte
+    one whose whole suite ran elsewhere."""
+    session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
+    session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
+    suite = ["tests/unit/v1/zero/test_offload_overflow_flag.py", "-k", "boundary_backward_has_no_host_sync"]
+    return {"suite": "boundary-backward sync tests", "tests": _pytest(session, name, *suite, env=CLEAN)}
 
 
 def _watch(session: nox.Session, name: str, should_pass: bool) -> dict:
