@@ -1,0 +1,71 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The package's modules import one way: each module sits on a floor, and every import of the package's own code
+(at module level or inside a function) goes to a lower floor. So there is no import cycle, the host-sync counter and
+the other low modules import nothing above them, and a new module has to be given its place here."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = "deepspeed_offload_patch"
+
+FLOORS = {
+    # What DeepSpeed's methods are replaced with, the data, and mechanisms that know nothing of the rest.
+    0: ("releases", "fingerprints", "log", "hostsync", "import_hook", "launcher", "overflow", "grad_norm",
+        "testing.launch", "audit.report"),
+    1: ("settings", "guard"),  # the switches; the decision whether to patch
+    2: ("patcher", ),  # applies and reverts, keeps the status
+    3: ("", "audit.rank", "diffs", "testing"),  # the package's face; what runs in each audited rank; diffs; helpers
+    4: ("testing.models", "audit.command"),
+    5: ("testing.equivalence", "audit"),
+    6: ("verify", "demo", "bench"),
+    7: ("cli", ),
+    8: ("__main__", "_bootstrap.sitecustomize"),
+}
+FLOOR = {(f"{PACKAGE}.{name}" if name else PACKAGE): floor for floor, names in FLOORS.items() for name in names}
+
+
+def modules():
+    """``{module name: path}`` of every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                found[module[:-len(".__init__")] if module.endswith(".__init__") else module] = path
+    return found
+
+
+def imports(path, known):
+    """The package's own modules that the file at ``path`` imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == PACKAGE)
+    return found
+
+
+def test_every_module_has_a_floor():
+    assert sorted(set(modules()) - set(FLOOR)) == [], "give each new module a floor in FLOORS"
+    assert sorted(set(FLOOR) - set(modules())) == [], "FLOORS names a module that does not exist"
+
+
+def test_every_import_goes_down():
+    known = modules()
+    upward = [(module, target) for module, path in known.items() for target in imports(path, known) - {module}
+              if FLOOR[target] >= FLOOR[module]]
+    assert upward == [], upward
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    path = tmp_path / "guard.py"
+    path.write_text("from deepspeed_offload_patch.testing import RaisingBoolTensor\n")
+    known = modules()
+    assert imports(str(path), known) == {f"{PACKAGE}.testing"}
+    assert FLOOR[f"{PACKAGE}.testing"] >= FLOOR[f"{PACKAGE}.guard"]
