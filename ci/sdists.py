@@ -177,15 +177,14 @@ class Fetcher:
                 f"sdists: {len(versions) - len(missing)} of {len(versions)} in {self.cache}; fetching "
                 f"{len(missing)}",
                 flush=True)
-        done = 0
+        done = []  # appended by the fetch threads (list.append is atomic): its length is the count so far
 
         def one(version):
-            nonlocal done
             path = self.path(version)
-            done += 1
+            done.append(version)
             if progress:
                 print(
-                    f"  [{done}/{len(missing)}] {os.path.basename(path)} "
+                    f"  [{len(done)}/{len(missing)}] {os.path.basename(path)} "
                     f"({os.path.getsize(path) // 1024} KiB, {time.monotonic() - start:.1f} s)",
                     flush=True)
             return path

@@ -34,6 +34,10 @@ EXIT = {
     "disabled": 5,
 }
 
+#: The exit codes of ``check`` and ``status``, as their ``--help`` says them.
+EXIT_TEXT = ("0 fix active (applied or upstream-fixed), 1 not active (unsupported, not-applied, pending, reverted), 2 "
+             "usage, 3 conflict, 4 deepspeed missing, 5 disabled")
+
 ADVICE = {
     "unsupported": "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
     "(`ds-offload-patch status` shows what the guard found)",
@@ -164,22 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ds-offload-patch",
         description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
         "behavioural check, diff, launcher and host-sync audit.",
-        epilog="Exit codes of check and status: 0 fix active (applied or upstream-fixed), 1 not active "
-        "(unsupported, not-applied, pending, reverted), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled. verify: "
-        "0 pass, 1 fail. diff: 1 no diff for this DeepSpeed. run: the command's code, 2 no command, 127 cannot start "
-        "it. audit: see its --help.")
+        epilog=f"Exit codes of check and status: {EXIT_TEXT}. verify: 0 pass, 1 fail. diff: 1 no diff for this "
+        "DeepSpeed. run: the command's code, 2 no command, 127 cannot start it. audit: see its --help.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     status = sub.add_parser("status",
                             help="what the patch does with the installed DeepSpeed (exit code as check's)",
                             description="Print the installed DeepSpeed's version, the patch state, the reason and "
-                            "the finding per method. Exit: as check's (0 only when the fix is active).")
+                            f"the finding per method. Exit: {EXIT_TEXT}.")
     status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
     status.set_defaults(func=_status_command)
     sub.add_parser("check",
                    help="CI gate: exit 0 only if the installed DeepSpeed gets the fix",
-                   description="One line; exit 0 when the installed DeepSpeed gets the fix (applied or "
-                   "upstream-fixed), 1 unsupported / not-applied / pending / reverted, 3 conflict, 4 DeepSpeed "
-                   "missing, 5 disabled.").set_defaults(func=_check_command)
+                   description=f"One line. Exit: {EXIT_TEXT}.").set_defaults(func=_check_command)
     verify = sub.add_parser("verify",
                             help="train a tiny ZeRO-2 offload engine and prove there is no host sync",
                             description="Train a tiny ZeRO-2 offload engine on one rank (CPU, or the GPU DeepSpeed "
