@@ -2,13 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Train the same runs with and without the patch, in separate processes, and compare them bit for bit.
 
-A :class:`Run` is a small ZeRO-1/2 training run with the optimizer offloaded to the CPU: stage, accumulation,
-precision, ZeRO options, model, and the :class:`Fault` s (inf or NaN gradients) it injects. :func:`run_side` trains
+A :class:`Run` is a small ZeRO-1/2 training run with the optimizer offloaded to the CPU: stage, accumulation (and its
+dtype), precision, ZeRO options, model, the ranks and their groups (world size, model-parallel size), and the
+:class:`Fault` s (inf or NaN gradients) it injects. :func:`run_side` trains
 runs on spawned ranks with the patch on (``patched``) or off (``unpatched``) and returns each rank's trace: the
 overflow flag before every boundary ``step()`` (read on the host, where the check is on), and after every optimizer
 step the bits of the model's parameters and of the fp32 master partitions, the skipped-step count,
-``optimizer.overflow`` and the loss scale state, each with its Python type. :func:`differences` lists where two
-traces differ; an empty list means the runs were bit-identical.
+``optimizer.overflow`` and the loss scale state, each with its Python type, and the host syncs counted in the boundary
+backward. :func:`differences` lists where two traces differ (the sync counts aside: they differ by design); an empty
+list means the runs were bit-identical. :func:`boundary_syncs` reads the counts.
 
 Everything is deterministic on the CPU (one thread per rank, seeded model, inputs by step and rank), so two
 processes running the same code produce the same bits; a difference means the code differed.
@@ -17,24 +19,29 @@ processes running the same code produce the same bits; a difference means the co
 import gc
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
-from deepspeed_offload_patch.testing.models import (ManyLinear, SometimesUnused, batch, ds_config, make_engine,
-                                                    optimizer_step)
+from deepspeed_offload_patch.testing.models import (ManyLinear, ModelParallelGroups, SometimesUnused, WithExperts,
+                                                    batch, ds_config, make_engine, optimizer_step)
 
 __all__ = [
-    "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "bad_gradients_survive", "differences",
-    "flag_is_read", "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan",
-    "ranks_agree_on_overflow", "run_side", "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
+    "CURRENT", "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "bad_gradients_survive",
+    "boundary_syncs", "differences", "fault_problems", "flag_is_read", "overflow_sticks", "invalid_norm_skips_step",
+    "per_param_tracker", "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side",
+    "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
 UNPATCHED = "unpatched"
+#: The patch as this process's ``DS_OFFLOAD_PATCH_DISABLE`` says (the red/green run disables it), the rest as the sides.
+CURRENT = "current"
 #: Each side's switches, whatever the calling process has: the sides must differ in the patch and nothing else.
 SIDE_ENV = {
     PATCHED: {
@@ -49,7 +56,8 @@ SIDE_ENV = {
     },
 }
 PRECISIONS = ("bf16", "bf16-nocheck", "fp32", "fp16")
-MODELS = ("plain", "sometimes-unused", "param-groups")
+MODELS = ("plain", "sometimes-unused", "param-groups", "moe")
+GRAD_ACCUM_DTYPES = (None, "fp32")
 FAULT_PATHS = ("grad", "set-cpu", "set-device")
 CHECKPOINT_TAG = "mid"
 
@@ -86,9 +94,12 @@ class Run:
     """One training run on every rank. ``precision``: ``bf16`` (overflow check on), ``bf16-nocheck``, ``fp32`` or
     ``fp16`` (dynamic loss scaling from ``2**initial_scale_power``);
     ``model``: ``plain``, ``sometimes-unused`` (a side layer only even micro-steps use, one layer never used) or
-    ``param-groups`` (two optimizer groups). ``zenflow`` trains with DeepSpeed's ZenFlow optimizer (ZeRO-2, its
-    CPU Adam). ``save_after``: save a checkpoint after that many steps when :func:`trace_runs` is given a
-    ``save_root``."""
+    ``param-groups`` (two optimizer groups) or ``moe`` (a mixture-of-experts layer with expert parallelism 2,
+    :class:`~deepspeed_offload_patch.testing.models.WithExperts`). ``grad_accum_dtype``: ``None`` (the precision's)
+    or ``"fp32"``. ``world_size`` ranks; ``model_parallel`` > 1 splits them into Megatron-shaped model-parallel and
+    data-parallel groups (:class:`~deepspeed_offload_patch.testing.models.ModelParallelGroups`) passed as ``mpu``.
+    ``zenflow`` trains with DeepSpeed's ZenFlow optimizer (ZeRO-2, its CPU Adam). ``save_after``: save a checkpoint
+    after that many steps when :func:`trace_runs` is given a ``save_root``."""
 
     name: str
     stage: int = 2
@@ -104,10 +115,17 @@ class Run:
     save_after: Optional[int] = None
     num_tensors: int = 12
     initial_scale_power: int = 8
+    grad_accum_dtype: Optional[str] = None
+    world_size: int = 2
+    model_parallel: int = 1
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS or self.model not in MODELS:
-            raise ValueError(f"{self.name}: precision in {PRECISIONS}, model in {MODELS}")
+        if self.precision not in PRECISIONS or self.model not in MODELS or self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"{self.name}: precision in {PRECISIONS}, model in {MODELS}, grad_accum_dtype in "
+                             f"{GRAD_ACCUM_DTYPES}")
+        if self.world_size % self.model_parallel or (self.model == "moe" and self.world_size % 2):
+            raise ValueError(f"{self.name}: {self.world_size} ranks do not split into model-parallel groups of "
+                             f"{self.model_parallel} (or expert-parallel groups of 2)")
 
     @property
     def skips_bad_steps(self) -> bool:
@@ -127,7 +145,8 @@ class Run:
                            grad_accum=self.grad_accum,
                            overlap_comm=self.overlap_comm,
                            contiguous_gradients=self.contiguous_gradients,
-                           reduce_scatter=self.reduce_scatter)
+                           reduce_scatter=self.reduce_scatter,
+                           grad_accum_dtype=self.grad_accum_dtype)
         if self.zenflow:
             # ZenFlow steps with its own CPU Adam (built on first use) and sets accumulation to update_interval.
             config["zero_optimization"]["zenflow"] = {
@@ -141,6 +160,21 @@ class Run:
             del config["optimizer"]["params"]["torch_adam"]
             config["zero_force_ds_cpu_optimizer"] = True
         return config
+
+
+def overflow_sticks(run: Run) -> bool:
+    """Whether, on the installed DeepSpeed, the first skipped step of ``run`` makes every later step overflow too,
+    patched or not.
+
+    With gradients accumulated in fp32 under bf16 or fp16 (``grad_accum_dtype``), releases that accumulate into a
+    compact fp32 partition buffer (``DeepSpeedZeroOptimizer._use_compact_grad_partition_buffer``) keep the inf or NaN
+    in that buffer when the step is skipped: measured on 0.19.8, ZeRO-1 and ZeRO-2, where the buffer is off an inf
+    at step 1 skips step 1 only. An upstream behaviour the patch keeps (the runs are bit-identical to unpatched).
+    """
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    separate = run.grad_accum_dtype == "fp32" and run.precision != "fp32"
+    return separate and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")
 
 
 def invalid_norm_skips_step() -> bool:
@@ -253,11 +287,13 @@ def _record(engine, step: int) -> Dict[str, Any]:
 
 
 def _build(run: Run):
-    model_class = SometimesUnused if run.model == "sometimes-unused" else ManyLinear
+    model_class = {"sometimes-unused": SometimesUnused, "moe": WithExperts}.get(run.model, ManyLinear)
+    mpu = ModelParallelGroups(run.model_parallel) if run.model_parallel > 1 else None
     return make_engine(run.num_tensors,
                        config=run.config(),
                        model_class=model_class,
-                       groups=run.model == "param-groups")
+                       groups=run.model == "param-groups",
+                       mpu=mpu)
 
 
 def _fault_ranks(run: Run, fault: Fault) -> List[int]:
@@ -341,11 +377,11 @@ def _flag(optimizer) -> Any:
     return bool(optimizer.local_overflow)
 
 
-def _train_step(engine, run: Run, step: int) -> Any:
+def _train_step(engine, run: Run, step: int) -> Tuple[Any, int]:
     """One optimizer step: every micro-step's forward, backward and ``step()``, with this step's faults. Returns
-    the overflow flag just before the boundary ``step()``."""
+    the overflow flag just before the boundary ``step()`` and the host syncs counted in the boundary backward."""
     accum = engine.gradient_accumulation_steps()
-    flag = None
+    flag = syncs = None
     faults = [f for f in run.faults if f.step == step]
     for micro in range(accum):
         boundary = micro == accum - 1
@@ -356,19 +392,35 @@ def _train_step(engine, run: Run, step: int) -> Any:
         inputs = [batch(engine, step * accum + micro)]
         if run.model == "sometimes-unused":
             inputs.append((step + micro) % 2 == 0)
-        engine.backward(engine(*inputs))
+        loss = engine(*inputs)
+        with count_host_syncs(device="cpu") as counter:
+            engine.backward(loss)
         for handle in handles:
             handle.remove()
         if boundary:
+            syncs = counter.total
             for fault in faults:
                 if fault.via != "grad":
                     _set_fault(engine, run, fault)
             flag = _flag(engine.optimizer)
         optimizer_step(engine)
-    return flag
+    return flag, syncs
+
+
+def _groups(optimizer) -> Dict[str, Any]:
+    """The ranks ZeRO reduces each param group over (expert groups differ from dense ones) and the model-parallel
+    group ``has_overflow()`` all-reduces over (``None`` without an ``mpu``)."""
+    from deepspeed import comm as dist
+
+    model_parallel = getattr(optimizer, "model_parallel_group", None)
+    return {
+        "data_parallel": [list(dist.get_all_ranks_from_group(group)) for group in optimizer.real_dp_process_group],
+        "model_parallel": list(dist.get_all_ranks_from_group(model_parallel)) if model_parallel is not None else None,
+    }
 
 
 def _train(run: Run, save_dir: Optional[str], load_dir: Optional[str]) -> Dict[str, Any]:
+    started = time.perf_counter()
     engine = _build(run)
     first = 0
     if load_dir is not None:
@@ -376,11 +428,13 @@ def _train(run: Run, save_dir: Optional[str], load_dir: Optional[str]) -> Dict[s
         first = client["next_step"]
     trace = {"initial": _params(engine), "first": first, "steps": []}
     for step in range(first, run.steps):
-        flag = _train_step(engine, run, step)
-        trace["steps"].append({"flag": flag, **_record(engine, step)})
+        flag, syncs = _train_step(engine, run, step)
+        trace["steps"].append({"flag": flag, "boundary_syncs": syncs, **_record(engine, step)})
         if save_dir is not None and run.save_after == step + 1:
             engine.save_checkpoint(save_dir, tag=CHECKPOINT_TAG, client_state={"next_step": step + 1})
     trace["optimizer"] = type(engine.optimizer).__name__
+    trace["groups"] = _groups(engine.optimizer)
+    trace["seconds"] = time.perf_counter() - started  # engine built and trained, this rank
     destroy = getattr(engine, "destroy", None)
     if callable(destroy):
         destroy()
@@ -434,29 +488,79 @@ def trace_runs(runs: Sequence[Run],
     return result
 
 
+def side_env(side: str) -> Dict[str, str]:
+    """The switches of a side's processes: :data:`PATCHED` and :data:`UNPATCHED` whatever this process has;
+    :data:`CURRENT` takes ``DS_OFFLOAD_PATCH_DISABLE`` from this process (so a test on it fails with the patch
+    disabled, as the red/green run needs) and the rest from the patched side."""
+    if side == CURRENT:
+        return dict(SIDE_ENV[PATCHED], DS_OFFLOAD_PATCH_DISABLE=os.environ.get("DS_OFFLOAD_PATCH_DISABLE", "0"))
+    return dict(SIDE_ENV[side])
+
+
 def run_side(side: str,
              runs: Sequence[Run],
              setup: Optional[Callable[[], None]] = None,
              save_root: Optional[str] = None,
              load_root: Optional[str] = None,
-             world_size: int = 2,
+             world_size: Optional[int] = None,
              timeout: float = HANG_GUARD_S) -> List[Dict[str, Any]]:
-    """:func:`trace_runs` on ``world_size`` fresh ranks with the patch on (``PATCHED``) or off (``UNPATCHED``);
-    returns each rank's result. ``setup`` must pickle (a module-level function).
+    """:func:`trace_runs` on fresh ranks with the patch on (``PATCHED``), off (``UNPATCHED``) or as this process's
+    switch says (``CURRENT``); returns each rank's result. The ranks are the runs' ``world_size`` (all runs must share
+    it), or ``world_size`` where given. ``setup`` must pickle (a module-level function).
 
     Raises:
+        ValueError: the runs ask for different world sizes.
         DistributedFailure: a rank failed or hung (see :func:`~deepspeed_offload_patch.testing.launch.run_distributed`).
     """
+    sizes = {run.world_size for run in runs} if world_size is None else {world_size}
+    if len(sizes) != 1:
+        raise ValueError(f"the runs of one side share a world size, not {sorted(sizes)}")
     return run_distributed(trace_runs,
-                           world_size,
+                           sizes.pop(),
                            args=(tuple(runs), setup, save_root, load_root),
-                           env=SIDE_ENV[side],
+                           env=side_env(side),
                            timeout=timeout)
+
+
+def boundary_syncs(result: Sequence[Dict[str, Any]], run: str) -> List[List[int]]:
+    """The host syncs counted in each boundary backward of run ``run``, per rank, per step (a :func:`run_side`
+    result)."""
+    return [[step["boundary_syncs"] for step in rank["runs"][run]["steps"]] for rank in result]
+
+
+def fault_problems(run: Run, result: Sequence[Dict[str, Any]]) -> List[str]:
+    """Whether the faults of ``run`` did what they should on every rank of ``result`` (not a vacuous comparison):
+    runs that skip bad steps (:attr:`Run.skips_bad_steps`) skipped exactly their faulty steps and hold no NaN; the
+    others trained through them and the NaN of the last step reached the parameters; runs without faults skipped
+    nothing. ZenFlow skips steps of its own on the CPU, patched or not: its faulty steps must be among them. Where
+    :func:`overflow_sticks`, every step from the first faulty one is skipped. Returns what did not hold, per rank."""
+    problems = []
+    fault_steps = sorted({fault.step for fault in run.faults})
+    if fault_steps and overflow_sticks(run):
+        fault_steps = list(range(fault_steps[0], run.steps))
+    for number, rank in enumerate(result):
+        steps = rank["runs"][run.name]["steps"]
+        where = f"rank {number}, {run.name}"
+        if run.skips_bad_steps:
+            counts = [0] + [s["skipped"] for s in steps]
+            skipped = [s["step"] for s, before in zip(steps, counts) if s["skipped"] > before]
+            if run.zenflow:
+                if not set(fault_steps) <= set(skipped):
+                    problems.append(f"{where}: skipped {skipped}, faults at {fault_steps}")
+            elif skipped != fault_steps or any(s["nan_params"] for s in steps):
+                problems.append(f"{where}: skipped {skipped}, faults at {fault_steps}, NaN in "
+                                f"{[s['nan_params'] for s in steps]}")
+        elif run.faults:
+            if steps[-1]["skipped"] != 0 or not steps[-1]["nan_params"]:
+                problems.append(f"{where}: the NaN at the last step should reach the parameters, none skipped")
+        elif steps[-1]["skipped"] != 0 or steps[-1]["nan_params"]:
+            problems.append(f"{where}: no fault, yet skipped {steps[-1]['skipped']}, NaN in {steps[-1]['nan_params']}")
+    return problems
 
 
 def _step_differences(where: str, a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     found = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted((set(a) | set(b)) - {"boundary_syncs"}):  # the syncs differ by design
         left, right = a.get(key), b.get(key)
         if key == "params":
             changed = sorted(n for n in left if n not in right or not torch.equal(left[n], right[n]))

@@ -77,13 +77,20 @@ class TestOffloadOverflowFlag(DistributedTest):
         assert engine.skipped_steps == 1 and optimizer.local_overflow is False
 
     @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("accum_dtype", [None, "fp32"])
     @pytest.mark.parametrize("precision", PRECISIONS)
     @pytest.mark.parametrize("zero_stage", [1, 2])
-    def test_boundary_backward_has_no_host_sync(self, zero_stage, precision, host_sync_counter):
+    def test_boundary_backward_has_no_host_sync(self, zero_stage, precision, accum_dtype, host_sync_counter):
         # fp16 starts from a loss scale of 2**24, so that the first steps overflow, as fp16 runs do; not where the ranks
         # do not agree on overflow (ZeRO-1 on 0.17.x), where one rank's overflow alone would make them abort.
+        # accum_dtype fp32 accumulates gradients in fp32 (at ZeRO-1 in a per-parameter attribute): the configuration
+        # of the upstream report (bf16, ZeRO-1).
         power = 24 if ranks_agree_on_overflow(zero_stage) else 8
-        config = ds_config(stage=zero_stage, dtype=precision, grad_accum=2, initial_scale_power=power)
+        config = ds_config(stage=zero_stage,
+                           dtype=precision,
+                           grad_accum=2,
+                           initial_scale_power=power,
+                           grad_accum_dtype=accum_dtype)
         engine = make_engine(NUM_TENSORS, config=config)
         for step in range(3):
             engine.backward(engine(batch(engine, 2 * step)))
