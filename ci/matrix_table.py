@@ -1,11 +1,13 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table.
+"""Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table, and
+those of the layout and stack sessions (``reports/layouts/*.json``: ``scale`` and ``stacks``) as a second one.
 
     python ci/matrix_table.py             # print
-    python ci/matrix_table.py --readme    # also write it into ci/README.md between the matrix markers
+    python ci/matrix_table.py --readme    # also write them into ci/README.md between their markers
     python ci/matrix_table.py --require RELEASE [RELEASE ...]   # exit 1 unless these have a passing result
                                                                  # (a variant build by its kind: truth-test, ...)
+    python ci/matrix_table.py --require-layouts stacks-0.19.8    # the same for layout/stack sessions
 """
 
 import argparse
@@ -19,6 +21,8 @@ from packaging.version import Version
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORTS = os.path.join(ROOT, "reports", "matrix")
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
+LAYOUTS = os.path.join(ROOT, "reports", "layouts")
+LAYOUTS_START, LAYOUTS_END = "<!-- layouts:start -->", "<!-- layouts:end -->"
 
 
 def load() -> list:
@@ -85,6 +89,55 @@ def render(results: list, kept: list = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_layouts() -> list:
+    results = []
+    for path in glob.glob(os.path.join(LAYOUTS, "*.json")):
+        with open(path) as f:
+            results.append(json.load(f))
+    return sorted(results, key=lambda r: (r["kind"], Version(r["release"])))
+
+
+def layout_passed(result: dict) -> bool:
+    """The tests ran and none failed or was skipped; for ``scale``, the zero-sync tests failed without the patch."""
+    tests = result["tests"]
+    ok = tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"] > 0
+    return bool(ok and result.get("red_green", "pass") == "pass")
+
+
+def _syncs(configs: dict) -> str:
+    """``name: unpatched → patched`` per configuration: the most host syncs of any boundary backward of any rank."""
+    parts = []
+    for name, sides in configs.items():
+        most = {side: max(max(rank) for rank in found["boundary_syncs"]) for side, found in sides.items()}
+        seconds = max(max(found["seconds"]) for found in sides.values())
+        parts.append(f"{name} {most['unpatched']} → {most['patched']} ({seconds:.0f} s)")
+    return "; ".join(parts)
+
+
+def render_layouts(results: list) -> str:
+    lines = [
+        "| DeepSpeed | session | tests | red/green | host syncs per boundary backward and rank, unpatched → patched "
+        "(slowest rank's time per configuration and side) | versions | result | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        versions = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items() if k not in ("deepspeed", ))
+        configs = r.get("runs", r.get("stacks", {}))
+        lines.append(f"| {r['release']} | {r['kind']} | {_tests(r['tests'])} | {r.get('red_green', '–')} | "
+                     f"{_syncs(configs) or '–'} | {versions or '–'} | "
+                     f"{'pass' if layout_passed(r) else 'FAIL'} | {r.get('commit', '?')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_between(path: str, start: str, end: str, table: str) -> None:
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as f:
+        f.write(f"{head}{start}\n{table}{end}{tail}")
+
+
 def _order(name: str):
     """Releases by version, variant kinds (``truth-test``, ...) after them by name."""
     try:
@@ -97,26 +150,37 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--readme", action="store_true", help="write the table into ci/README.md")
     parser.add_argument("--require", nargs="*", default=[], help="releases that must have a passing result")
+    parser.add_argument(
+        "--require-layouts",
+        nargs="*",
+        default=[],
+        metavar="SESSION-RELEASE",
+        help="layout/stack sessions that must have a passing result (scale-0.16.9, stacks-0.19.8, ...)")
     args = parser.parse_args()
     results = load()
     table = render(results)
     print(table)
+    layouts = load_layouts()
+    print(render_layouts(layouts))
     if args.readme:
         path = os.path.join(ROOT, "ci", "README.md")
         with open(path) as f:
-            text = f.read()
-        head, rest = text.split(START, 1)
-        old, tail = rest.split(END, 1)
+            old = f.read().split(START, 1)[1].split(END, 1)[0]
         table = render(results, kept_rows(old, {r["release"] for r in results if "variant" not in r}))
-        with open(path, "w") as f:
-            f.write(f"{head}{START}\n{table}{END}{tail}")
+        _write_between(path, START, END, table)
+        _write_between(path, LAYOUTS_START, LAYOUTS_END, render_layouts(layouts))
     # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>").
     by_release = {r["variant"].split(", ")[-1] if "variant" in r else r["release"]: r for r in results}
     missing = [v for v in args.require if v not in by_release or not passed(by_release[v])]
     failing = [r["release"] for r in results if not passed(r)]
     for release in sorted(set(missing) | set(failing), key=_order):
         print(f"FAIL: DeepSpeed {release}: no passing result")
-    return 1 if missing or failing else 0
+    by_session = {f"{r['kind']}-{r['release']}": r for r in layouts}
+    missing_layouts = [s for s in args.require_layouts if s not in by_session or not layout_passed(by_session[s])]
+    failing_layouts = [name for name, r in by_session.items() if not layout_passed(r)]
+    for name in sorted(set(missing_layouts) | set(failing_layouts)):
+        print(f"FAIL: {name}: no passing result")
+    return 1 if missing or failing or missing_layouts or failing_layouts else 0
 
 
 if __name__ == "__main__":

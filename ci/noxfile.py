@@ -4,11 +4,14 @@
 
     nox -f ci/noxfile.py -- core                  # one release per form and the first three variants (the default)
     nox -f ci/noxfile.py -s matrix                # every supported release and every variant, then the table
-    nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite]
+    nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite] [stacks]
+    nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
+    nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
+    nox -f ci/noxfile.py -s ci -- 0.16.9:core 0.19.6:lite,stacks variants   # CI's steps, in one virtualenv
     nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
-    python ci/matrix_table.py [--readme]          # the table of the last results (reports/matrix/); --readme writes it
-                                                  # into ci/README.md
+    python ci/matrix_table.py [--readme]          # the tables of the last results (reports/matrix/, reports/layouts/);
+                                                  # --readme writes them into ci/README.md
 
 For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``) and runs the test
 suite: all of ``tests/unit``, or with the session argument ``core`` (``matrix`` passes it) the ZeRO regression tests
@@ -142,20 +145,40 @@ def release(session: nox.Session, deepspeed: str) -> None:
 
     The mechanics suite (``tests/unit`` outside ``v1/zero``) is written for the current form of DeepSpeed's methods
     (0.17.1 and later); releases 0.14.0 - 0.17.0 run the ZeRO suite, ``tests/unit/test_guard.py``, ``check`` and
-    ``verify``, as ``core`` does.
+    ``verify``, as ``core`` does. With ``stacks`` among the arguments, ``tests/stacks`` too (see :func:`stacks`).
     """
+    _release(session, deepspeed, session.posargs)
+
+
+def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     os.makedirs(REPORTS, exist_ok=True)
     _install(session, deepspeed)
     session.chdir(ROOT)
     result = {"release": deepspeed, "state": _status(session, env=CLEAN)["state"], "expected": "applied"}
     result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
-    if "lite" in session.posargs:
+    if "lite" in profiles:
         result.update(_lite(session, deepspeed))
     else:
-        core = "core" in session.posargs or Version(deepspeed) < Version("0.17.1")
+        core = "core" in profiles or Version(deepspeed) < Version("0.17.1")
         result.update(_suite(session, deepspeed, core=core))
     result.update(_with_diff(session, deepspeed))
     _finish(session, deepspeed, result)
+    if "stacks" in profiles:
+        _stacks(session, deepspeed)
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """CI's part of the matrix in one virtualenv, so that torch and the tools are installed once: each argument is a
+    step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,stacks``) or ``variants``; each release is
+    installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The results are those
+    of the ``release``, ``stacks`` and ``variants`` sessions."""
+    for step in session.posargs:
+        if step == "variants":
+            _ci_variants(session)
+            continue
+        deepspeed, _, profiles = step.partition(":")
+        _release(session, deepspeed, profiles.split(","))
 
 
 CLEAN = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0"}
@@ -194,6 +217,47 @@ def _finish(session: nox.Session, name: str, result: dict) -> None:
         session.error(f"DeepSpeed {name}: {result}")
 
 
+LAYOUTS = os.path.join(ROOT, "reports", "layouts")
+SCALE_TESTS = ("tests/unit/v1/zero/test_offload_scale.py", "tests/unit/v1/zero/test_offload_equivalence.py",
+               "tests/unit/v1/zero/test_offload_overflow_flag.py")
+
+
+@nox.session
+@nox.parametrize("deepspeed", list(REPRESENTATIVE))
+def scale(session: nox.Session, deepspeed: str) -> None:
+    """The group layouts and accumulation dtypes real jobs run, on one release: 4 ranks in 2 data-parallel x 2
+    model-parallel groups (a Megatron-shaped ``mpu``) and with MoE expert parallelism (``test_offload_scale.py``),
+    fp32 gradient accumulation in the covering array and in the sync test. Then the scale tests with the patch
+    disabled: exactly their zero-sync tests must fail. Writes ``reports/layouts/scale-<release>.json`` with the host
+    syncs per boundary backward (unpatched, patched) and the run time of each configuration."""
+    os.makedirs(LAYOUTS, exist_ok=True)
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    version = session.run("python", "-c", "import deepspeed; print(deepspeed.__version__)", silent=True).split()[-1]
+    measured = os.path.join(ROOT, "reports", "scale", f"{version}.json")  # written by test_offload_scale.py
+    if os.path.exists(measured):
+        os.remove(measured)
+    tests = _pytest(session, f"scale-{deepspeed}", *SCALE_TESTS, env=CLEAN)
+    unpatched = _pytest(session,
+                        f"scale-{deepspeed}-unpatched",
+                        "-m",
+                        "not equivalence",
+                        SCALE_TESTS[0],
+                        env=dict(CLEAN, DS_OFFLOAD_PATCH_DISABLE="1"))
+    # Without the patch the scale module's non-equivalence tests are its zero-sync tests: every one must fail.
+    result = {"kind": "scale", "release": deepspeed, "tests": tests, "unpatched": unpatched}
+    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
+    if os.path.exists(measured):
+        with open(measured) as f:
+            result["runs"] = json.load(f)["runs"]
+    result["commit"] = _commit()
+    with open(os.path.join(LAYOUTS, f"scale-{deepspeed}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    session.log(json.dumps({k: result[k] for k in ("release", "tests", "red_green")}))
+    if tests["failed"] or tests["skipped"] or not tests["passed"] or result["red_green"] != "pass":
+        session.error(f"DeepSpeed {deepspeed}: scale {result}")
+
+
 def _variant_tools(session: nox.Session) -> None:
     os.makedirs(REPORTS, exist_ok=True)
     _install_torch(session, "torch==2.13.0")
@@ -219,6 +283,10 @@ def variants(session: nox.Session) -> None:
     installed once. A build whose code is 0.19.8's (only its version differs) runs ``smoke``: its state, ``check``,
     ``verify``, the watch and the boundary-backward sync tests (``ci/test.sh`` ran 0.19.8's whole suite); the others
     run ``lite``."""
+    _ci_variants(session)
+
+
+def _ci_variants(session: nox.Session) -> None:
     _variant_tools(session)
     for kind in CI_VARIANTS:
         _variant(session, kind, "smoke" if VARIANTS[kind][1] is None else "lite")
@@ -249,9 +317,11 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     elif expected == "upstream-fixed":
         session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
         # The package patches nothing of the fix here: the flag tests run on DeepSpeed's own fixed code. (The
-        # equivalence tests would compare that code with itself.)
-        result["suite"] = "tests/unit/v1/zero (not equivalence)"
-        result["tests"] = _pytest(session, kind, "-m", "not equivalence", "tests/unit/v1/zero", env=CLEAN)
+        # equivalence tests would compare that code with itself.) CI (lite) runs the flag and layout tests; the
+        # on-demand session the whole ZeRO suite.
+        suite = ["tests/unit/v1/zero"] if profile == "core" else list(SCALE_TESTS[::2])
+        result["suite"] = f"{' '.join(suite)} (not equivalence)"
+        result["tests"] = _pytest(session, kind, "-m", "not equivalence", *suite, env=CLEAN)
     else:
         result["suite"] = "tests/release/test_unsupported_release.py"
         result["tests"] = _pytest(session, kind, "tests/release/test_unsupported_release.py", env=CLEAN)
@@ -375,3 +445,68 @@ def sources(session: nox.Session) -> None:
     session.chdir(ROOT)
     session.run("python", os.path.join(ROOT, "ci", "sdists.py"))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/release/test_sources.py")
+
+
+# The training stacks of tests/stacks, at the versions tests/stacks was measured with (transformers 5.25.0 needs
+# kernels>=0.19.1, which the registry does not serve: 5.23.0 is the newest that installs).
+STACK_LIBRARIES = ("transformers==5.23.0", "accelerate==1.16.0", "lightning==2.6.6")
+
+
+@nox.session
+@nox.parametrize("deepspeed", list(REPRESENTATIVE))
+def stacks(session: nox.Session, deepspeed: str) -> None:
+    """HF Trainer (``torchrun`` and the ``deepspeed`` launcher), Accelerate and Lightning, each launched as their
+    users launch them, unpatched, under ``ds-offload-patch run`` and with a plain import (``tests/stacks``): no host
+    sync in any boundary backward and bit-identical training; then the patched tests again with the patch disabled,
+    which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs this on 0.19.6, after its ``lite``
+    run: ``nox -s ci -- 0.19.6:lite,stacks``.)"""
+    _install(session, deepspeed)
+    _stacks(session, deepspeed)
+
+
+def _stacks(session: nox.Session, deepspeed: str) -> None:
+    os.makedirs(LAYOUTS, exist_ok=True)
+    session.install(*STACK_LIBRARIES)
+    session.chdir(ROOT)
+    measured = os.path.join(ROOT, "reports", "stacks", f"measured-{deepspeed}.json")  # what tests/stacks writes
+    if os.path.exists(measured):
+        os.remove(measured)
+    # The launchers JIT-build DeepSpeed's shared-memory op: one folder per release (the ci session installs several
+    # in one virtualenv), as releases overwrite each other's build in a shared one.
+    env = dict(CLEAN,
+               DS_STACK_REPORT=measured,
+               TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    tests = _pytest(session, f"stacks-{deepspeed}", "tests/stacks", env=env)
+    with open(measured) as f:
+        found = json.load(f)
+    # Without the patch, every patched-mode test must fail (the references are left out: they are always unpatched).
+    unpatched = _pytest(session,
+                        f"stacks-{deepspeed}-unpatched",
+                        "-m",
+                        "not equivalence",
+                        "tests/stacks",
+                        env=dict(env, DS_OFFLOAD_PATCH_DISABLE="1", DS_STACK_REPORT=measured + ".unpatched"))
+    result = {"kind": "stacks", "release": deepspeed, "tests": tests, "unpatched": unpatched}
+    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
+    result["versions"] = found["versions"]
+    result["stacks"] = {name: _stack_sides(modes) for name, modes in found["stacks"].items()}
+    result["commit"] = _commit()
+    with open(os.path.join(LAYOUTS, f"stacks-{deepspeed}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    session.log(json.dumps({k: result[k] for k in ("release", "tests", "red_green")}))
+    if tests["failed"] or tests["skipped"] or not tests["passed"] or result["red_green"] != "pass":
+        session.error(f"DeepSpeed {deepspeed}: tests/stacks {result}")
+
+
+def _stack_sides(modes: dict) -> dict:
+    """One stack's launches as the layouts table reads them: the reference is ``unpatched``; ``patched`` holds the
+    launches through ``ds-offload-patch run`` and with a plain import (each rank's syncs per boundary backward, and
+    each launch's wall time)."""
+    sides = {"unpatched": ("reference", ), "patched": ("launcher", "import")}
+    return {
+        side: {
+            "boundary_syncs": [syncs for mode in names for syncs in modes[mode]["boundary_backward_syncs"].values()],
+            "seconds": [modes[mode]["wall_s"] for mode in names],
+        }
+        for side, names in sides.items()
+    }
