@@ -245,17 +245,24 @@ def scale(session: nox.Session, deepspeed: str) -> None:
                         SCALE_TESTS[0],
                         env=dict(CLEAN, DS_OFFLOAD_PATCH_DISABLE="1"))
     # Without the patch the scale module's non-equivalence tests are its zero-sync tests: every one must fail.
-    result = {"kind": "scale", "release": deepspeed, "tests": tests, "unpatched": unpatched}
-    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
+    more = {}
     if os.path.exists(measured):
         with open(measured) as f:
-            result["runs"] = json.load(f)["runs"]
+            more["runs"] = json.load(f)["runs"]
+    _finish_layout(session, "scale", deepspeed, tests, unpatched, more)
+
+
+def _finish_layout(session: nox.Session, kind: str, deepspeed: str, tests: dict, unpatched: dict, more: dict) -> None:
+    """Write ``reports/layouts/<kind>-<release>.json``; fail unless every test passed and, with the patch disabled,
+    every test that ran failed (the red/green run)."""
+    result = {"kind": kind, "release": deepspeed, "tests": tests, "unpatched": unpatched, **more}
+    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
     result["commit"] = _commit()
-    with open(os.path.join(LAYOUTS, f"scale-{deepspeed}.json"), "w") as f:
+    with open(os.path.join(LAYOUTS, f"{kind}-{deepspeed}.json"), "w") as f:
         json.dump(result, f, indent=2)
     session.log(json.dumps({k: result[k] for k in ("release", "tests", "red_green")}))
     if tests["failed"] or tests["skipped"] or not tests["passed"] or result["red_green"] != "pass":
-        session.error(f"DeepSpeed {deepspeed}: scale {result}")
+        session.error(f"DeepSpeed {deepspeed}: {kind} {result}")
 
 
 def _variant_tools(session: nox.Session) -> None:
@@ -486,16 +493,8 @@ def _stacks(session: nox.Session, deepspeed: str) -> None:
                         "not equivalence",
                         "tests/stacks",
                         env=dict(env, DS_OFFLOAD_PATCH_DISABLE="1", DS_STACK_REPORT=measured + ".unpatched"))
-    result = {"kind": "stacks", "release": deepspeed, "tests": tests, "unpatched": unpatched}
-    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
-    result["versions"] = found["versions"]
-    result["stacks"] = {name: _stack_sides(modes) for name, modes in found["stacks"].items()}
-    result["commit"] = _commit()
-    with open(os.path.join(LAYOUTS, f"stacks-{deepspeed}.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    session.log(json.dumps({k: result[k] for k in ("release", "tests", "red_green")}))
-    if tests["failed"] or tests["skipped"] or not tests["passed"] or result["red_green"] != "pass":
-        session.error(f"DeepSpeed {deepspeed}: tests/stacks {result}")
+    stacks = {name: _stack_sides(modes) for name, modes in found["stacks"].items()}
+    _finish_layout(session, "stacks", deepspeed, tests, unpatched, {"versions": found["versions"], "stacks": stacks})
 
 
 def _stack_sides(modes: dict) -> dict:

@@ -41,29 +41,34 @@ def _faults(precision: str, first: Fault, second: Fault) -> tuple:
     return (first, second) if bad_gradients_survive(precision) else ()
 
 
-def _model_parallel(stage: int, precision: str) -> Run:
-    return Run(f"2dp-2mp-s{stage}-{precision}",
+def _run(name: str, stage: int, precision: str, first: Fault, second: Fault, **layout) -> Run:
+    return Run(f"{name}-s{stage}-{precision}",
                stage=stage,
                precision=precision,
                grad_accum=2,
                steps=STEPS,
                num_tensors=NUM_TENSORS,
                world_size=WORLD,
-               model_parallel=2,
-               faults=_faults(precision, Fault(1, "inf", rank=3, param=3), Fault(3, "nan", rank=0, param=6)))
+               faults=_faults(precision, first, second),
+               **layout)
+
+
+def _model_parallel(stage: int, precision: str) -> Run:
+    return _run("2dp-2mp",
+                stage,
+                precision,
+                Fault(1, "inf", rank=3, param=3),
+                Fault(3, "nan", rank=0, param=6),
+                model_parallel=2)
 
 
 def _moe(stage: int, precision: str) -> Run:
-    return Run(f"moe-ep2-s{stage}-{precision}",
-               stage=stage,
-               precision=precision,
-               grad_accum=2,
-               steps=STEPS,
-               num_tensors=NUM_TENSORS,
-               world_size=WORLD,
-               model="moe",
-               faults=_faults(precision, Fault(1, "inf", rank=1, param=EXPERT_WEIGHT), Fault(3, "nan", rank=2,
-                                                                                             param=4)))
+    return _run("moe-ep2",
+                stage,
+                precision,
+                Fault(1, "inf", rank=1, param=EXPERT_WEIGHT),
+                Fault(3, "nan", rank=2, param=4),
+                model="moe")
 
 
 MODEL_PARALLEL = tuple(_model_parallel(stage, precision) for stage in (1, 2) for precision in ("bf16", "fp16"))
