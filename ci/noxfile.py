@@ -145,7 +145,9 @@ def release(session: nox.Session, deepspeed: str) -> None:
 
     The mechanics suite (``tests/unit`` outside ``v1/zero``) is written for the current form of DeepSpeed's methods
     (0.17.1 and later); releases 0.14.0 - 0.17.0 run the ZeRO suite, ``tests/unit/test_guard.py``, ``check`` and
-    ``verify``, as ``core`` does. With ``stacks`` among the arguments, ``tests/stacks`` too (see :func:`stacks`).
+    ``verify``, as ``core`` does. With ``stacks`` among the arguments, ``tests/stacks`` too (see :func:`stacks`);
+    with ``no-diff``, not the run on the release's diffs (CI's ``lite`` steps: ``tests/release/test_sources.py`` has
+    checked that they apply and equal the monkey-patch; 0.16.9's ``core`` step and the on-demand matrix run them).
     """
     _release(session, deepspeed, session.posargs)
 
@@ -161,7 +163,8 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     else:
         core = "core" in profiles or Version(deepspeed) < Version("0.17.1")
         result.update(_suite(session, deepspeed, core=core))
-    result.update(_with_diff(session, deepspeed))
+    if "no-diff" not in profiles:
+        result.update(_with_diff(session, deepspeed))
     _finish(session, deepspeed, result)
     if "stacks" in profiles:
         _stacks(session, deepspeed)
@@ -170,7 +173,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
 @nox.session
 def ci(session: nox.Session) -> None:
     """CI's part of the matrix in one virtualenv, so that torch and the tools are installed once: each argument is a
-    step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,stacks``) or ``variants``; each release is
+    step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,no-diff,stacks``) or ``variants``; each release is
     installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The results are those
     of the ``release``, ``stacks`` and ``variants`` sessions."""
     for step in session.posargs:
