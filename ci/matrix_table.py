@@ -53,18 +53,21 @@ def _tests(counts: dict) -> str:
 
 
 def kept_rows(old_table: str, rerun: set) -> list:
-    """Rows of the previous table for PyPI releases that did not run again, in the current columns (a row of the
-    older 7-column layout gains "PyPI" and "–"). A release that was unsupported then is dropped: it is tested now."""
+    """Rows of the previous table for releases and variant builds that did not run again (``rerun`` holds PyPI
+    releases by version, variants by their "built from" text), in the current columns (a row of the older 7-column
+    layout gains "PyPI" and "–"). A release that was unsupported then is dropped: it is tested now."""
     rows = []
     for line in old_table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 7 or not cells[0][:1].isdigit() or cells[0] in rerun:
+        if len(cells) < 7 or not cells[0][:1].isdigit():
             continue
         if len(cells) == 7:
             if cells[1] == "unsupported":
                 continue
             cells = [cells[0], "PyPI", cells[1], cells[2], "–", *cells[3:]]
-        if cells[1] == "PyPI":
+        # A PyPI row (on torch 2.13.0, or "PyPI, torch 2.3.1") by its release; a variant's by what it was built from.
+        key = cells[0] if cells[1].startswith("PyPI") else cells[1]
+        if key not in rerun:
             rows.append((Version(cells[0]), "| " + " | ".join(cells) + " |"))
     return rows
 
@@ -166,7 +169,8 @@ def main() -> int:
         path = os.path.join(ROOT, "ci", "README.md")
         with open(path) as f:
             old = f.read().split(START, 1)[1].split(END, 1)[0]
-        table = render(results, kept_rows(old, {r["release"] for r in results if "variant" not in r}))
+        rerun = {r["variant"] if "variant" in r else r["release"] for r in results}
+        table = render(results, kept_rows(old, rerun))
         _write_between(path, START, END, table)
         _write_between(path, LAYOUTS_START, LAYOUTS_END, render_layouts(layouts))
     # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>").

@@ -1,0 +1,60 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ci/matrix_table.py``: rewriting ci/README.md's tables keeps the rows of releases and builds that did not run
+again, and a layout or stack session passes only with every test passed and its red/green run held."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "ci"))
+
+import matrix_table  # noqa: E402
+
+OLD = """| DeepSpeed | built from | state on import | tests | red/green | fix / grad norm | diffs alone | result | commit |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| 0.14.1 | PyPI, torch 2.3.1 | applied | 19/19 passed | – | upstream-fixed / unsupported | 19/19 passed | pass | a |
+| 0.16.9 | PyPI | applied | 97/97 passed | pass | upstream-fixed / unsupported | 19/19 passed | pass | a |
+| 0.19.9 | 0.19.8 sdist, 0.19.9 | applied | 8/8 passed | – | – | – | pass | a |
+| 0.20.0.dev0 | 0.19.8 sdist, 0.20.0.dev0 | applied | 137/137 passed | – | – | – | pass | a |
+"""
+
+
+def test_rows_that_did_not_run_again_are_kept():
+    kept = [row for _, row in matrix_table.kept_rows(OLD, {"0.16.9", "0.19.8 sdist, 0.19.9"})]
+    assert [row.split("|")[1].strip() for row in kept] == ["0.14.1", "0.20.0.dev0"], kept
+
+
+def _layout(failed=0, red_green="pass"):
+    sides = {
+        "unpatched": {
+            "boundary_syncs": [[6, 6], [6, 7]],
+            "seconds": [1.0, 2.0]
+        },
+        "patched": {
+            "boundary_syncs": [[0, 0], [0, 0]],
+            "seconds": [1.0, 1.5]
+        }
+    }
+    return {
+        "kind": "scale",
+        "release": "0.16.9",
+        "tests": {
+            "passed": 3,
+            "failed": failed,
+            "skipped": 0
+        },
+        "red_green": red_green,
+        "runs": {
+            "2dp-2mp": sides
+        },
+        "commit": "a"
+    }
+
+
+def test_a_layout_session_passes_only_with_its_red_green_run():
+    assert matrix_table.layout_passed(_layout())
+    assert not matrix_table.layout_passed(_layout(failed=1))
+    assert not matrix_table.layout_passed(_layout(red_green="FAIL"))
+    row = matrix_table.render_layouts([_layout()]).splitlines()[-1]
+    assert "| scale | 3/3 passed | pass | 2dp-2mp 7 → 0 (2 s) |" in row and row.endswith("| pass | a |"), row
