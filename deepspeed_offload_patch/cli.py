@@ -23,6 +23,7 @@ cannot be started; else 0.
 
 import argparse
 import json
+import platform
 import sys
 from typing import List, Optional
 
@@ -77,9 +78,16 @@ def _status_command(args) -> int:
 
     status = resolve_status()
     if args.json:
-        print(json.dumps({"package_version": dop.__version__, **status.as_dict()}, indent=2, sort_keys=True))
+        print(
+            json.dumps({
+                "package_version": dop.__version__,
+                "python": platform.python_version(),
+                **status.as_dict()
+            },
+                       indent=2,
+                       sort_keys=True))
     else:
-        print(f"deepspeed_offload_patch {dop.__version__}")
+        print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
         print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state}")
         print(f"  {status.reason}")
         for name, finding in status.methods.items():
@@ -98,10 +106,12 @@ def _check_command(args) -> int:
     status = resolve_status()
     code = exit_code(status.state)
     version = status.deepspeed_version or "(not installed)"
+    # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
+    python = f"Python {platform.python_version()}"
     if code == 0:
-        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}")
+        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state} ({python})")
     else:
-        print(f"ds-offload-patch check: FAIL ({status.state}): {status.reason}; "
+        print(f"ds-offload-patch check: FAIL ({status.state}, {python}): {status.reason}; "
               f"{ADVICE.get(status.state, 'see ds-offload-patch status')}")
     return code
 

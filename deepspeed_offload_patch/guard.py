@@ -6,24 +6,27 @@ Nothing here changes DeepSpeed. :func:`inspect_target` looks at the class that d
 a :class:`Decision` (the state to report, and which replacement goes with each method); the patcher acts on it.
 """
 
-import ast
-import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
+import platform
 import sys
-import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from deepspeed_offload_patch.fingerprints import UNFIXED
+from deepspeed_offload_patch.fingerprints import OWN, UNFIXED
 from deepspeed_offload_patch.releases import PATCHED_RELEASES
+from deepspeed_offload_patch.source_digest import digest_source, module_digests
 
 #: The releases the replacements were checked against (every release between the two ends). Compared on the release
 #: part of the version, so a local build of a release (``0.19.8+abc``) counts as that release.
 FIRST, LAST = PATCHED_RELEASES[0], PATCHED_RELEASES[-1]
+#: The interpreters whose reading of the code the fingerprints were checked on (``ci/pythons.py``; README).
+PYTHONS_TESTED = "3.10 - 3.13"
 #: Why the line falls at ``FIRST``: said in the reason when an older DeepSpeed is found.
 OLDER_REASON = ("releases before 0.14.0 do not import with a current torch, their CPU accelerator needs Intel's "
                 "extension and oneCCL bindings, so they are untested; before 0.13.3 the overflow check itself reads "
@@ -81,14 +84,9 @@ MISSING = "missing"  # not defined on the class
 
 
 def fingerprint_source(source: str) -> str:
-    """Digest of one function's source, blind to formatting, comments, decorators, docstring and its name."""
-    node = ast.parse(textwrap.dedent(source)).body[0]
-    node.name = ""
-    node.decorator_list = []
-    first = node.body[0] if node.body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-        node.body = node.body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()[:16]
+    """Digest of one function's source, blind to formatting, comments, decorators, docstring, its name and the
+    interpreter (:func:`deepspeed_offload_patch.source_digest.digest_source`)."""
+    return digest_source(source)
 
 
 def fingerprint(func: Callable) -> Optional[str]:
@@ -97,6 +95,35 @@ def fingerprint(func: Callable) -> Optional[str]:
         return fingerprint_source(inspect.getsource(func))
     except (OSError, TypeError, SyntaxError, IndexError):
         return None
+
+
+def own_digests() -> Dict[str, str]:
+    """``{"module.function": digest}`` of the top-level functions of the patch sets' modules, read from their files
+    on this interpreter (what ``ci/gen_fingerprints.py`` records in :data:`fingerprints.OWN`)."""
+    found = {}
+    for module in dict.fromkeys(patch_set.module for patch_set in PATCH_SETS):
+        spec = importlib.util.find_spec(module)
+        path = spec.origin if spec else None
+        for name, digest in (module_digests(path) if path and os.path.exists(path) else {}).items():
+            found[f"{module.rsplit('.', 1)[-1]}.{name}"] = digest
+    return found
+
+
+def interpreter_problem() -> Optional[str]:
+    """None when this interpreter digests the package's own replacements as recorded; else a sentence that names the
+    interpreter. A Python that parses code into another tree moves every digest, DeepSpeed's included: then an
+    unknown fingerprint says nothing about DeepSpeed."""
+    try:
+        here = own_digests()
+    except (OSError, SyntaxError, ValueError) as exc:
+        here = {"error": f"{type(exc).__name__}: {exc}"}
+    moved = sorted(name for name in OWN if here.get(name) != OWN[name])
+    if not moved:
+        return None
+    return (f"Python {platform.python_version()} reads code differently from the interpreters this package was "
+            f"built on (Python {PYTHONS_TESTED}): the fingerprints of the package's own replacements differ "
+            f"({', '.join(moved)}), so the interpreter, not DeepSpeed, is what is unknown; use one of those Pythons "
+            "or a release of this package that supports this one")
 
 
 def replacements(name: str) -> Tuple[Tuple[str, Callable], ...]:
@@ -271,6 +298,11 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
                         f"DeepSpeed {version} is older than the first supported release {FIRST}: {OLDER_REASON}",
                         methods)
     odd = [f"{name}: {result}" for name, result in methods.items() if result != PATCHABLE]
+    if odd and MISMATCH in results:
+        problem = interpreter_problem()
+        if problem:
+            return Decision("unsupported", f"{problem} ({', '.join(odd)}); DeepSpeed {version} is left unchanged",
+                            methods)
     if odd:
         return Decision(
             "unsupported", f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "

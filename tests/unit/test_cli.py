@@ -5,6 +5,7 @@ behavioural check, the diff, the launcher, and the pytest fixtures used from ano
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -62,7 +63,8 @@ def test_status_json_is_stable():
     assert_ok(result)
     status = json.loads(result.stdout)
     assert set(status) == {
-        "package_version", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device", "grad_norm_reason"
+        "package_version", "python", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device",
+        "grad_norm_reason"
     }
     assert status["state"] == "applied", status
     assert status["methods"] == {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
@@ -77,6 +79,8 @@ def test_check_passes_on_the_installed_release():
     script = os.path.join(os.path.dirname(sys.executable), "ds-offload-patch")
     result = run_command([script, "check"])
     assert result.returncode == 0 and "OK" in result.stdout, result
+    # The interpreter it ran on: the same DeepSpeed can be patched on one Python and not on another.
+    assert f"(Python {platform.python_version()})" in result.stdout, result
 
 
 @pytest.mark.parametrize("env, code, word", [({
@@ -88,6 +92,7 @@ def test_check_fails_when_disabled(env, code, word):
     result = cli("check", env=env)
     lines = result.stdout.strip().splitlines()
     assert result.returncode == code and len(lines) == 1 and word in lines[0], result
+    assert f"Python {platform.python_version()}" in lines[0], result
 
 
 # A child that sets the scene, then runs the CLI in the same process and exits with its code.
