@@ -6,8 +6,9 @@ those of the layout and stack sessions (``reports/layouts/*.json``: ``scale`` an
     python ci/matrix_table.py             # print
     python ci/matrix_table.py --readme    # also write them into ci/README.md between their markers
     python ci/matrix_table.py --require RELEASE [RELEASE ...]   # exit 1 unless these have a passing result
-                                                                 # (a variant build by its kind: truth-test, ...)
-    python ci/matrix_table.py --require-layouts stacks-0.19.8    # the same for layout/stack sessions
+                                                                 # (a variant build by its kind: truth-test, ...;
+                                                                 # RELEASE@3.13: the result on that Python)
+    python ci/matrix_table.py --require-layouts stacks-0.19.8    # the same for layout/stack sessions (@3.13 too)
 """
 
 import argparse
@@ -52,10 +53,27 @@ def _tests(counts: dict) -> str:
     return f"{counts['passed']}/{total} passed"
 
 
+#: "built from" of a row where the package ran from its wheel in a fresh virtualenv (the ``pythons`` session).
+WHEEL = ", the package's wheel"
+
+
+def python_of(result: dict) -> str:
+    """The Python a result ran on, as ``X.Y`` (results written before the column existed ran on 3.11)."""
+    return ".".join(result.get("python", "3.11").split(".")[:2])
+
+
+def row_key(result: dict) -> str:
+    """What makes a row: a PyPI release by its version, a variant by what it was built from; the Python; and
+    ``:wheel`` for a run of the package's wheel (the ``pythons`` session)."""
+    wheel = ":wheel" if result.get("package") == "wheel" else ""
+    return f"{result.get('variant', result['release'])}@{python_of(result)}{wheel}"
+
+
 def kept_rows(old_table: str, rerun: set) -> list:
-    """Rows of the previous table for releases and variant builds that did not run again (``rerun`` holds PyPI
-    releases by version, variants by their "built from" text), in the current columns (a row of the older 7-column
-    layout gains "PyPI" and "–"). A release that was unsupported then is dropped: it is tested now."""
+    """Rows of the previous table for releases and variant builds that did not run again (``rerun`` holds
+    :func:`row_key` of each new result), in the current columns (a row of the older 7-column layout gains "PyPI" and
+    "–", one of the 9-column layouts the Python they ran on, 3.11). A release that was unsupported then is dropped: it
+    is tested now."""
     rows = []
     for line in old_table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -65,8 +83,11 @@ def kept_rows(old_table: str, rerun: set) -> list:
             if cells[1] == "unsupported":
                 continue
             cells = [cells[0], "PyPI", cells[1], cells[2], "–", *cells[3:]]
+        if len(cells) == 9:
+            cells = [cells[0], cells[1], "3.11", *cells[2:]]
         # A PyPI row (on torch 2.13.0, or "PyPI, torch 2.3.1") by its release; a variant's by what it was built from.
-        key = cells[0] if cells[1].startswith("PyPI") else cells[1]
+        key = (cells[0] if cells[1].startswith("PyPI") else cells[1]) + "@" + cells[2]
+        key += ":wheel" if cells[1].endswith(WHEEL) else ""
         if key not in rerun:
             rows.append((Version(cells[0]), "| " + " | ".join(cells) + " |"))
     return rows
@@ -74,18 +95,20 @@ def kept_rows(old_table: str, rerun: set) -> list:
 
 def render(results: list, kept: list = ()) -> str:
     lines = [
-        "| DeepSpeed | built from | state on import | tests | red/green | fix / grad norm with the diffs applied "
-        "| ZeRO tests on the diffs alone | result | commit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| DeepSpeed | built from | Python | state on import | tests | red/green | fix / grad norm with the diffs "
+        "applied | ZeRO tests on the diffs alone | result | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = []
     for r in results:
         diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
         built = r.get("variant", "PyPI")
+        built += WHEEL if r.get("package") == "wheel" else ""
         if r.get("torch", "2.13.0").split("+")[0] != "2.13.0":
             built += f", torch {r['torch'].split('+')[0]}"
-        rows.append((Version(r["release"]), f"| {r['release']} | {built} | {r['state']} | {_tests(r['tests'])} | "
+        rows.append((Version(r["release"]), f"| {r['release']} | {built} | {python_of(r)} | {r['state']} | "
+                     f"{_tests(r['tests'])} | "
                      f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
                      f"{r.get('commit', '?')} |"))
     lines += [line for _, line in sorted(list(kept) + rows, key=lambda row: row[0])]
@@ -119,14 +142,15 @@ def _syncs(configs: dict) -> str:
 
 def render_layouts(results: list) -> str:
     lines = [
-        "| DeepSpeed | session | tests | red/green | host syncs per boundary backward and rank, unpatched → patched "
-        "(slowest rank's time per configuration and side) | versions | result | commit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| DeepSpeed | session | Python | tests | red/green | host syncs per boundary backward and rank, unpatched → "
+        "patched (slowest rank's time per configuration and side) | versions | result | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         versions = ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items() if k not in ("deepspeed", ))
         configs = r.get("runs", r.get("stacks", {}))
-        lines.append(f"| {r['release']} | {r['kind']} | {_tests(r['tests'])} | {r.get('red_green', '–')} | "
+        lines.append(f"| {r['release']} | {r['kind']} | {python_of(r)} | {_tests(r['tests'])} | "
+                     f"{r.get('red_green', '–')} | "
                      f"{_syncs(configs) or '–'} | {versions or '–'} | "
                      f"{'pass' if layout_passed(r) else 'FAIL'} | {r.get('commit', '?')} |")
     return "\n".join(lines) + "\n"
@@ -169,19 +193,28 @@ def main() -> int:
         path = os.path.join(ROOT, "ci", "README.md")
         with open(path) as f:
             old = f.read().split(START, 1)[1].split(END, 1)[0]
-        rerun = {r["variant"] if "variant" in r else r["release"] for r in results}
+        rerun = {row_key(r) for r in results}
         table = render(results, kept_rows(old, rerun))
         _write_between(path, START, END, table)
         _write_between(path, LAYOUTS_START, LAYOUTS_END, render_layouts(layouts))
-    # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>").
-    by_release = {r["variant"].split(", ")[-1] if "variant" in r else r["release"]: r for r in results}
+    # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>"); either with
+    # "@X.Y" for the result on that Python.
+    by_release = {}
+    for r in results:
+        name = r["variant"].split(", ")[-1] if "variant" in r else r["release"]
+        if r.get("package") != "wheel":
+            by_release[name] = r
+        by_release[f"{name}@{python_of(r)}"] = r
     missing = [v for v in args.require if v not in by_release or not passed(by_release[v])]
     failing = [r["release"] for r in results if not passed(r)]
     for release in sorted(set(missing) | set(failing), key=_order):
         print(f"FAIL: DeepSpeed {release}: no passing result")
-    by_session = {f"{r['kind']}-{r['release']}": r for r in layouts}
+    by_session = {}
+    for r in layouts:
+        by_session[f"{r['kind']}-{r['release']}"] = r
+        by_session[f"{r['kind']}-{r['release']}@{python_of(r)}"] = r
     missing_layouts = [s for s in args.require_layouts if s not in by_session or not layout_passed(by_session[s])]
-    failing_layouts = [name for name, r in by_session.items() if not layout_passed(r)]
+    failing_layouts = [f"{r['kind']}-{r['release']}@{python_of(r)}" for r in layouts if not layout_passed(r)]
     for name in sorted(set(missing_layouts) | set(failing_layouts)):
         print(f"FAIL: {name}: no passing result")
     return 1 if missing or failing or missing_layouts or failing_layouts else 0

@@ -7,7 +7,9 @@
     nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite] [stacks]
     nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
-    nox -f ci/noxfile.py -s ci -- 0.16.9:core 0.19.6:lite,stacks variants   # CI's steps, in one virtualenv
+    nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core variants   # CI's steps on the floor Python, in one virtualenv
+    nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:lite 0.19.6:lite,stacks   # ... and on the newest
+    nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
     nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
     python ci/matrix_table.py [--readme]          # the tables of the last results (reports/matrix/, reports/layouts/);
@@ -37,7 +39,14 @@ from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "ci"))
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
+from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
+
+# nox finds an interpreter by its version on PATH; pyenv's shims there do not run a version that is not active, so
+# the supported interpreters this machine has (ci/pythons.py) go first.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(path)
+                                      for path in map(find, SUPPORTED) if path] + [os.environ.get("PATH", "")])
 
 # One release per form of the methods (patches/ has one diff per form): the last of the 0.14.0-0.17.0 form, the first
 # of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check returns fp32) and the latest (0.19.7+: bool).
@@ -170,12 +179,14 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
         _stacks(session, deepspeed)
 
 
-@nox.session
+@nox.session(python=[FLOOR, NEWEST])
 def ci(session: nox.Session) -> None:
-    """CI's part of the matrix in one virtualenv, so that torch and the tools are installed once: each argument is a
-    step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,no-diff,stacks``) or ``variants``; each release is
-    installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The results are those
-    of the ``release``, ``stacks`` and ``variants`` sessions."""
+    """CI's part of the matrix in one virtualenv per Python, so that torch and the tools are installed once: each
+    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,no-diff,stacks``) or ``variants``;
+    each release is installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The
+    results are those of the ``release``, ``stacks`` and ``variants`` sessions. ``ci-3.10`` and ``ci-3.13`` run on
+    the oldest and the newest supported Python, so that every landing proves both (``ci/test.sh`` runs on the
+    machine's ``python3``)."""
     for step in session.posargs:
         if step == "variants":
             _ci_variants(session)
@@ -202,16 +213,25 @@ def _suite(session: nox.Session, name: str, core: bool) -> dict:
     return result
 
 
-def _lite(session: nox.Session, name: str) -> dict:
-    """``lite``: the ZeRO regression tests but the equivalence ones, ``check`` and ``verify``. For a release whose
-    methods are byte for byte those of a representative release that ran ``core`` (the fingerprints say which)."""
-    session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
-    session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
+def _lite(session: nox.Session, name: str, check: bool = True) -> dict:
+    """``lite``: the ZeRO regression tests but the equivalence ones, ``check`` and ``verify`` (unless ``check`` is
+    False: the caller ran them). For a release whose methods are byte for byte those of a representative release that
+    ran ``core`` (the fingerprints say which)."""
+    if check:
+        session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
+        session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
     suite = ["-m", "not equivalence", "tests/unit/v1/zero"]
     return {"suite": "tests/unit/v1/zero (not equivalence)", "tests": _pytest(session, name, *suite, env=CLEAN)}
 
 
+def _python(session: nox.Session) -> str:
+    """The version of the session's interpreter (``3.13.0``)."""
+    out = session.run("python", "-c", "import platform; print(platform.python_version())", silent=True)
+    return out.split()[-1]
+
+
 def _finish(session: nox.Session, name: str, result: dict) -> None:
+    result.setdefault("python", _python(session))
     result["commit"] = _commit()
     with open(os.path.join(REPORTS, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -258,7 +278,14 @@ def scale(session: nox.Session, deepspeed: str) -> None:
 def _finish_layout(session: nox.Session, kind: str, deepspeed: str, tests: dict, unpatched: dict, more: dict) -> None:
     """Write ``reports/layouts/<kind>-<release>.json``; fail unless every test passed and, with the patch disabled,
     every test that ran failed (the red/green run)."""
-    result = {"kind": kind, "release": deepspeed, "tests": tests, "unpatched": unpatched, **more}
+    result = {
+        "kind": kind,
+        "release": deepspeed,
+        "python": _python(session),
+        "tests": tests,
+        "unpatched": unpatched,
+        **more
+    }
     result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
     result["commit"] = _commit()
     with open(os.path.join(LAYOUTS, f"{kind}-{deepspeed}.json"), "w") as f:
@@ -421,6 +448,56 @@ def _ok(result: dict) -> bool:
     sys.path.insert(0, os.path.join(ROOT, "ci"))
     from matrix_table import passed
     return passed(result)
+
+
+# The releases the ``pythons`` session runs on each interpreter: the newest, and one of the 0.14.0 - 0.17.0 form.
+PYTHON_RELEASES = ("0.19.8", "0.16.9")
+# What it runs of the suite besides ``lite``: two runs trained patched and unpatched on 2 ranks, ZeRO-2 with a fault
+# on one rank (bf16, fp16), compared bit for bit, with no host sync in any patched boundary backward.
+SAME_BITS = ("tests/unit/v1/zero/test_offload_faults.py", "-k", "same_bits_as_unpatched and one-rank and s2")
+
+
+@nox.session(python=list(SUPPORTED))
+def pythons(session: nox.Session) -> None:
+    """The package on one supported Python, as a user there meets it: a fresh virtualenv with torch 2.13.0 and the
+    package's wheel (built here, installed by file); for each of ``PYTHON_RELEASES``, ``ds-offload-patch status``
+    must read ``applied`` and ``check`` and ``verify`` pass when run outside the checkout (so the wheel's code runs),
+    then ``SAME_BITS``. With the first release it also runs ``lite`` (the ZeRO regression tests but the equivalence
+    ones) and what reads source code on that interpreter: ``gen_fingerprints.py --check`` and ``make_patches.py
+    --check`` (whose AST-equality check of the diffs needs DeepSpeed and torch) against the sdists.
+    Writes ``reports/matrix/python-<X.Y>-<release>.json`` (the matrix's table names the Python of each row).
+
+        nox -f ci/noxfile.py -s pythons-3.13      # one interpreter
+    """
+    _install_torch(session, "torch==2.13.0")
+    wheels = session.create_tmp()
+    session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", wheels, ROOT)
+    wheel = next(os.path.join(wheels, name) for name in sorted(os.listdir(wheels)) if name.endswith(".whl"))
+    outside = os.path.join(wheels, "outside")
+    os.makedirs(outside, exist_ok=True)
+    for deepspeed in PYTHON_RELEASES:
+        # One JIT folder per release: releases overwrite each other's build of DeepSpeed's ops in a shared one.
+        session.env["TORCH_EXTENSIONS_DIR"] = os.path.join(session.virtualenv.location,
+                                                           f"torch_extensions-{deepspeed}")
+        session.install(f"deepspeed=={deepspeed}", "pytest", "packaging")
+        session.install("--no-deps", "--force-reinstall", wheel)
+        session.chdir(outside)  # the checkout is not on sys.path: the installed wheel is what runs
+        result = {"release": deepspeed, "package": "wheel", "expected": "applied"}
+        result["state"] = _status(session, env=CLEAN)["state"]
+        session.run("ds-offload-patch", "check", env=CLEAN)
+        session.run("ds-offload-patch", "verify", env=CLEAN)
+        session.chdir(ROOT)
+        name = f"python-{session.python}-{deepspeed}"
+        if deepspeed == PYTHON_RELEASES[0]:
+            session.run("python", "ci/gen_fingerprints.py", "--check", env=CLEAN)
+            session.run("python", "ci/make_patches.py", "--check", env=CLEAN)
+            result.update(_lite(session, name, check=False))
+        else:
+            result.update(suite="", tests={"passed": 0, "failed": 0, "skipped": 0})
+        same = _pytest(session, f"{name}-same-bits", *SAME_BITS, env=CLEAN)
+        result["tests"] = {key: result["tests"][key] + same[key] for key in result["tests"]}
+        result["suite"] = " + ".join(part for part in (result["suite"], "2-rank ZeRO-2 bit identity") if part)
+        _finish(session, f"python-{session.python}-{deepspeed}", result)
 
 
 @nox.session(python=False)

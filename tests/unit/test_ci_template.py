@@ -112,3 +112,19 @@ def test_the_upstream_watch_passes_on_the_newest_release(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "upstream watch: OK: DeepSpeed" in result.stdout and "verify passes" in result.stdout, result.stdout
     assert report.read_text().startswith("upstream watch: OK"), report.read_text()
+
+
+def test_the_gate_runs_on_the_python_the_repository_trains_with():
+    """One variable, documented at the top, sets the Python of every job: a gate that ran on another interpreter than
+    the training could pass while the training runs unpatched."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    from pythons import SUPPORTED
+    text = open(TEMPLATE).read()
+    versions = re.findall(r"python-version: (.*)", text)
+    assert versions and all(v.strip() == "${{ env.PYTHON_VERSION }}" for v in versions), versions
+    value = re.search(r"^env:\n  PYTHON_VERSION: \"([0-9.]+)\"", text, re.M)
+    assert value and value.group(1) in SUPPORTED, "PYTHON_VERSION is set once, at the top, to a supported Python"
+    assert "PYTHON_VERSION below" in text.split("\nname:")[0], "the header says what to change"
+    # The upstream watch runs on the newest Python of the runner image, to meet a new interpreter before users do.
+    watch = open(os.path.join(TEMPLATES, "upstream-watch.yml")).read()
+    assert re.findall(r"python-version: \"([^\"]+)\"", watch) == ["3.x"]

@@ -21,8 +21,26 @@ OLD = """| DeepSpeed | built from | state on import | tests | red/green | fix / 
 
 
 def test_rows_that_did_not_run_again_are_kept():
-    kept = [row for _, row in matrix_table.kept_rows(OLD, {"0.16.9", "0.19.8 sdist, 0.19.9"})]
+    kept = [row for _, row in matrix_table.kept_rows(OLD, {"0.16.9@3.11", "0.19.8 sdist, 0.19.9@3.11"})]
     assert [row.split("|")[1].strip() for row in kept] == ["0.14.1", "0.20.0.dev0"], kept
+    # The rows written before the Python column ran on 3.11: they gain it.
+    assert all(row.split("|")[3].strip() == "3.11" for row in kept), kept
+
+
+def test_a_row_is_its_release_and_its_python():
+    old = matrix_table.render([
+        dict(release="0.16.9", python="3.11.7", **RESULT),
+        dict(release="0.16.9", python="3.13.0", **RESULT),
+        dict(release="0.19.8", python="3.10.13", package="wheel", **RESULT),
+    ])
+    # 0.16.9 ran again on 3.13 only; the wheel's run on 3.10 is its own row, kept beside 0.16.9's.
+    kept = [row for _, row in matrix_table.kept_rows(old, {"0.16.9@3.13"})]
+    assert [(row.split("|")[1].strip(), row.split("|")[3].strip()) for row in kept] == [("0.16.9", "3.11"),
+                                                                                        ("0.19.8", "3.10")], kept
+    assert "the package's wheel" in kept[1]
+
+
+RESULT = {"state": "applied", "expected": "applied", "tests": {"passed": 3, "failed": 0, "skipped": 0}, "commit": "a"}
 
 
 def _layout(failed=0, red_green="pass"):
@@ -57,4 +75,4 @@ def test_a_layout_session_passes_only_with_its_red_green_run():
     assert not matrix_table.layout_passed(_layout(failed=1))
     assert not matrix_table.layout_passed(_layout(red_green="FAIL"))
     row = matrix_table.render_layouts([_layout()]).splitlines()[-1]
-    assert "| scale | 3/3 passed | pass | 2dp-2mp 7 → 0 (2 s) |" in row and row.endswith("| pass | a |"), row
+    assert "| scale | 3.11 | 3/3 passed | pass | 2dp-2mp 7 → 0 (2 s) |" in row and row.endswith("| pass | a |"), row
