@@ -463,8 +463,9 @@ def pythons(session: nox.Session) -> None:
     package's wheel (built here, installed by file); for each of ``PYTHON_RELEASES``, ``ds-offload-patch status``
     must read ``applied`` and ``check`` and ``verify`` pass when run outside the checkout (so the wheel's code runs),
     then ``SAME_BITS``. With the first release it also runs ``lite`` (the ZeRO regression tests but the equivalence
-    ones) and what reads source code on that interpreter: ``gen_fingerprints.py --check`` and ``make_patches.py
-    --check`` (whose AST-equality check of the diffs needs DeepSpeed and torch) against the sdists.
+    ones), the guard's tests, and what reads source code on that interpreter: ``gen_fingerprints.py --check``,
+    ``make_patches.py --check`` (whose AST-equality check of the diffs needs DeepSpeed and torch) against the sdists,
+    and ``new_form.py``.
     Writes ``reports/matrix/python-<X.Y>-<release>.json`` (the matrix's table names the Python of each row).
 
         nox -f ci/noxfile.py -s pythons-3.13      # one interpreter
@@ -491,7 +492,17 @@ def pythons(session: nox.Session) -> None:
         if deepspeed == PYTHON_RELEASES[0]:
             session.run("python", "ci/gen_fingerprints.py", "--check", env=CLEAN)
             session.run("python", "ci/make_patches.py", "--check", env=CLEAN)
+            session.run("python", "ci/new_form.py", env=CLEAN)
             result.update(_lite(session, name, check=False))
+            # The guard's probes of synthetic classes (fixed in other words, still reading the host) and the digest's
+            # rules, on this interpreter.
+            more = _pytest(session,
+                           f"{name}-guard",
+                           "tests/unit/test_guard.py",
+                           "tests/unit/test_source_digest.py",
+                           env=CLEAN)
+            result["tests"] = {key: result["tests"][key] + more[key] for key in result["tests"]}
+            result["suite"] += " + the guard"
         else:
             result.update(suite="", tests={"passed": 0, "failed": 0, "skipped": 0})
         same = _pytest(session, f"{name}-same-bits", *SAME_BITS, env=CLEAN)

@@ -4,7 +4,8 @@
 
 ``SUPPORTED`` is the list README's Python line, setup.py's classifiers and the ``pythons`` nox session follow; CI runs
 the first and the last (``FLOOR``, ``NEWEST``). An interpreter is found as ``pythonX.Y`` on PATH when that runs (a
-pyenv shim of a version that is not active does not), else under ``$(pyenv root)/versions/X.Y.*``.
+pyenv shim of a version that is not active does not), else under pyenv's ``versions/X.Y.*`` (``$PYENV_ROOT``, else
+``pyenv root``, else ``~/.pyenv``).
 
     python ci/pythons.py          # each supported version and the interpreter found for it
     python ci/pythons.py 3.13     # the path of one (exit 1 when there is none)
@@ -15,7 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Optional
+from typing import List, Optional
 
 SUPPORTED = ("3.10", "3.11", "3.12", "3.13")
 FLOOR, NEWEST = SUPPORTED[0], SUPPORTED[-1]
@@ -37,12 +38,22 @@ def find(version: str) -> Optional[str]:
     on_path = shutil.which(f"python{version}")
     if on_path and _runs_as(on_path, version):
         return on_path
-    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
-    for path in sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}")),
-                       reverse=True):
-        if _runs_as(path, version):
-            return path
+    for root in _pyenv_roots():
+        for path in sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}")),
+                           reverse=True):
+            if _runs_as(path, version):
+                return path
     return None
+
+
+def _pyenv_roots() -> List[str]:
+    roots = [os.environ.get("PYENV_ROOT", "")]
+    try:
+        roots.append(subprocess.run(["pyenv", "root"], capture_output=True, text=True, timeout=60).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    roots.append(os.path.expanduser("~/.pyenv"))
+    return [root for root in dict.fromkeys(roots) if root]
 
 
 def main() -> int:

@@ -12,8 +12,8 @@ PACKAGE = "deepspeed_offload_patch"
 
 FLOORS = {
     # What DeepSpeed's methods are replaced with, the data, and mechanisms that know nothing of the rest.
-    0: ("releases", "fingerprints", "log", "hostsync", "import_hook", "launcher", "overflow", "grad_norm",
-        "testing.launch", "audit.report"),
+    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "launcher", "overflow",
+        "grad_norm", "testing.launch", "audit.report"),
     1: ("settings", "guard"),  # the switches; the decision whether to patch
     2: ("patcher", ),  # applies and reverts, keeps the status
     3: ("", "audit.rank", "diffs", "testing"),  # the package's face; what runs in each audited rank; diffs; helpers
