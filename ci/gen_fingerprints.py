@@ -3,7 +3,7 @@
 """Generate ``deepspeed_offload_patch/fingerprints.py`` from the DeepSpeed releases' own sources.
 
 For each release it takes ``deepspeed/runtime/zero/stage_1_and_2.py`` out of the release's sdist (fetched into the
-``--sdists`` cache by ``ci/sdists.py`` unless already there), fingerprints the methods the patch sets replace with the
+``--sdists`` cache by ``ci/sdists.py`` unless already there), fingerprints the methods the patch sets replace (and their witnesses) with the
 same function the guard uses at run time, and writes the table (formatted by yapf), with the digests of the package's
 own replacements (``OWN``, by which the guard tells a changed interpreter from a changed DeepSpeed). ``--check``
 writes nothing and exits 1 when the recorded tables differ from what the sources give. The digests do not depend on
@@ -73,7 +73,7 @@ def table(sdists: str, versions) -> dict:
         sources = method_sources(read_target(sdist_path(sdists, version), version))
         names = [
             name for patch_set in PATCH_SETS if SpecifierSet(patch_set.releases).contains(version)
-            for name in patch_set.methods
+            for name in patch_set.methods + patch_set.witnesses
         ]
         for name in dict.fromkeys(names):
             digest = fingerprint_source(sources[name])

@@ -171,13 +171,21 @@ another method than the fix, so it applies with or without the fix's diff:
 
 {sections[1]}
 
+The skipped-step fix (`reset_cpu_buffers`; on by default where DeepSpeed has the defect, which came with 0.19.8's
+compact fp32 gradient buffer: after a step skipped for an inf/NaN, the buffer is dropped instead of carrying the
+inf/NaN into every later step), in `skipped-step-buffer/`. It touches another method than the fix, so it applies with
+or without the fix's diff:
+
+{sections[2]}
+
 Apply a diff at the top of a DeepSpeed checkout of a listed release:
 
 ```bash
 git apply /path/to/patches/stage_1_and_2-0.19.7-0.19.8.diff     # or: patch -p1 < /path/to/....diff
 ```
 
-`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the opt-in's). With a diff
+`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the opt-in's,
+`--skipped-step` the skipped-step fix's). With a diff
 applied, the package reports that part as `upstream-fixed` and patches nothing there. `index.json` in each folder
 maps each release to its diff.
 """

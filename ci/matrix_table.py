@@ -44,6 +44,7 @@ def passed(result: dict) -> bool:
     if "diff_tests" in result:
         ok = (ok and result["diff_state"] == "upstream-fixed"
               and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", "upstream-fixed")
+              and result.get("diff_skipped_step_state") == result.get("diff_skipped_step_expected")
               and result["diff_tests"]["failed"] == 0)
     return bool(ok)
 

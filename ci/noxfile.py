@@ -390,15 +390,18 @@ def _watch(session: nox.Session, name: str, should_pass: bool) -> dict:
 
 
 def _with_diff(session: nox.Session, deepspeed: str) -> dict:
-    """Apply the release's diffs (the fix and the opt-in grad norm) to the installed file; then, with the
+    """Apply the release's diffs (the fix, the opt-in grad norm, the skipped-step fix) to the installed file; then, with the
     monkey-patch disabled, both must read as upstream-fixed and the ZeRO tests must pass on the diffs alone."""
     site = _site_packages(session)
     path = os.path.join(site, TARGET)
     backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
     shutil.copy(path, backup)
     try:
-        options = (([], "fix"), (["--grad-norm"],
-                                 "grad-norm")) if Version(deepspeed) >= Version("0.17.1") else (([], "fix"), )
+        options = [([], "fix")]
+        if Version(deepspeed) >= Version("0.17.1"):
+            options.append((["--grad-norm"], "grad-norm"))
+        if Version(deepspeed) >= Version("0.19.8"):
+            options.append((["--skipped-step"], "skipped-step"))
         for option, name in options:
             diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", *option, silent=True, stderr=None)
             diff_file = os.path.join(REPORTS, f"{deepspeed}-{name}.diff")
@@ -419,6 +422,10 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
         # Before 0.17.1 there is no grad norm opt-in: the package reports it unsupported there.
         grad_norm_expected = "upstream-fixed" if Version(deepspeed) >= Version("0.17.1") else "unsupported"
         return {
+            "diff_skipped_step_state":
+            status["skipped_step"],
+            "diff_skipped_step_expected":
+            "upstream-fixed" if Version(deepspeed) >= Version("0.19.8") else "not-needed",
             "diff_state":
             status["state"],
             "diff_grad_norm_state":

@@ -36,8 +36,9 @@ EXIT = {
 }
 
 #: The exit codes of ``check`` and ``status``, as their ``--help`` says them.
-EXIT_TEXT = ("0 fix active (applied or upstream-fixed), 1 not active (unsupported, not-applied, pending, reverted), 2 "
-             "usage, 3 conflict, 4 deepspeed missing, 5 disabled")
+EXIT_TEXT = ("0 fix active (applied or upstream-fixed) and the skipped-step fix in effect or not needed (applied, "
+             "upstream-fixed, not-needed, or switched off), 1 either not active (unsupported, not-applied, pending, "
+             "reverted), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled")
 
 ADVICE = {
     "unsupported": "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
@@ -87,32 +88,60 @@ def _status_command(args) -> int:
                        indent=2,
                        sort_keys=True))
     else:
+        from deepspeed_offload_patch.guard import SKIPPED_STEP
+
+        skipped_methods = SKIPPED_STEP.methods + SKIPPED_STEP.witnesses
         print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
-        print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state}")
+        print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state} (the overflow flag fix)")
         print(f"  {status.reason}")
         for name, finding in status.methods.items():
-            print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+            if name not in skipped_methods:
+                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+        print(f"skipped-step fix: {status.skipped_step}"
+              f"{': ' + status.skipped_step_reason if status.skipped_step_reason else ''}")
+        for name, finding in status.methods.items():
+            if name in skipped_methods:
+                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
         print(f"opt-in on-device grad norm: {status.grad_norm_on_device}"
               f"{': ' + status.grad_norm_reason if status.grad_norm_reason else ''}")
-    return exit_code(status.state)
+    return status_exit_code(status)
 
 
 def exit_code(state: str) -> int:
+    """The exit code of the fix's ``state`` alone (0 for a good state)."""
     from deepspeed_offload_patch import GOOD_STATES
     return 0 if state in GOOD_STATES else EXIT.get(state, 1)
 
 
-def _check_command(args) -> int:
-    status = resolve_status()
+def status_exit_code(status) -> int:
+    """The exit code of ``check`` and ``status``: the fix's, else the skipped-step fix's when that one is on by
+    default and not in effect (unsupported, conflict, reverted): every change the installed DeepSpeed needs."""
+    from deepspeed_offload_patch.patcher import SKIPPED_STEP_GOOD_STATES
     code = exit_code(status.state)
+    if code == 0 and status.skipped_step not in SKIPPED_STEP_GOOD_STATES:
+        code = EXIT.get(status.skipped_step, 1)
+    return code
+
+
+def _check_command(args) -> int:
+    from deepspeed_offload_patch.patcher import SKIPPED_STEP_GOOD_STATES
+
+    status = resolve_status()
+    code = status_exit_code(status)
     version = status.deepspeed_version or "(not installed)"
     # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
     python = f"Python {platform.python_version()}"
     if code == 0:
-        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state} ({python})")
-    else:
+        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, the skipped-step fix "
+              f"{status.skipped_step} ({python})")
+    elif exit_code(status.state):
         print(f"ds-offload-patch check: FAIL ({status.state}, {python}): {status.reason}; "
               f"{ADVICE.get(status.state, 'see ds-offload-patch status')}")
+    else:
+        assert status.skipped_step not in SKIPPED_STEP_GOOD_STATES
+        print(f"ds-offload-patch check: FAIL (the skipped-step fix {status.skipped_step}, {python}): "
+              f"{status.skipped_step_reason}; {ADVICE.get(status.skipped_step, 'see ds-offload-patch status')} (or "
+              "DS_OFFLOAD_PATCH_SKIPPED_STEP=0 to go without it)")
     return code
 
 
@@ -122,9 +151,11 @@ def _verify_command(args) -> int:
 
 
 def _diff_command(args) -> int:
-    from deepspeed_offload_patch.diffs import diff_for_installed
+    from deepspeed_offload_patch.diffs import FIX, diff_for_installed
+    from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
+    part = GRAD_NORM.name if args.grad_norm else SKIPPED_STEP.name if args.skipped_step else FIX
     try:
-        name, text = diff_for_installed(grad_norm=args.grad_norm)
+        name, text = diff_for_installed(part)
     except LookupError as exc:
         print(f"ds-offload-patch diff: {exc}", file=sys.stderr)
         return 1
@@ -207,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "last release tested: the diff of the last release whose methods it has); its file name "
                           "goes to stderr. Apply it with patch -p1 in site-packages. Exit 0, or 1 when there is no "
                           "diff for this DeepSpeed.")
-    diff.add_argument("--grad-norm", action="store_true", help="the opt-in on-device gradient norm's diff instead")
+    which = diff.add_mutually_exclusive_group()
+    which.add_argument("--grad-norm", action="store_true", help="the opt-in on-device gradient norm's diff instead")
+    which.add_argument("--skipped-step",
+                       action="store_true",
+                       help="the skipped-step fix's diff instead (DeepSpeed 0.19.8: a skipped step's gradient is not "
+                       "carried into the next steps)")
     diff.set_defaults(func=_diff_command)
     run = sub.add_parser("run",
                          help="run a command with the patch applied in every Python process it starts",

@@ -20,24 +20,30 @@ def patches_dir() -> str:
     raise LookupError("the diffs are not installed with this copy of deepspeed_offload_patch")
 
 
-def diff_for(version: str, grad_norm: bool = False) -> Tuple[str, str]:
-    """``(file name, diff text)`` of the fix (or, with ``grad_norm``, of the opt-in on-device gradient norm) for
-    DeepSpeed ``version`` (its release part). Raises LookupError if there is none."""
-    from deepspeed_offload_patch.guard import GRAD_NORM, release_of
+#: The parts with a diff: the fix (in ``patches/``), and the other patch sets (each in ``patches/<its name>/``).
+FIX = "fix"
 
-    directory = os.path.join(patches_dir(), GRAD_NORM.name) if grad_norm else patches_dir()
+
+def diff_for(version: str, part: str = FIX) -> Tuple[str, str]:
+    """``(file name, diff text)`` of ``part`` (the fix, or a patch set's name: ``grad-norm-on-device``,
+    ``skipped-step-buffer``) for DeepSpeed ``version`` (its release part). Raises LookupError if there is none."""
+    from deepspeed_offload_patch.guard import release_of
+
+    directory = patches_dir() if part == FIX else os.path.join(patches_dir(), part)
+    if not os.path.isfile(os.path.join(directory, "index.json")):
+        raise LookupError(f"no diffs for {part}")
     with open(os.path.join(directory, "index.json")) as f:
         index = json.load(f)
     release = release_of(version)
     name = index.get(str(release)) if release is not None else None
     if name is None:
-        raise LookupError(f"no diff for DeepSpeed {version}; diffs exist for {min(index, key=Version)} to "
+        raise LookupError(f"no diff of {part} for DeepSpeed {version}; diffs exist for {min(index, key=Version)} to "
                           f"{max(index, key=Version)}")
     with open(os.path.join(directory, name)) as f:
         return name, f.read()
 
 
-def diff_for_installed(grad_norm: bool = False) -> Tuple[str, str]:
+def diff_for_installed(part: str = FIX) -> Tuple[str, str]:
     """:func:`diff_for` the installed DeepSpeed. For a DeepSpeed newer than the releases tested, the diff of the last
     tested release whose methods it has, byte for byte (AST fingerprints); it imports DeepSpeed's ZeRO module to
     find out. Raises LookupError when DeepSpeed is missing or has no diff."""
@@ -48,22 +54,26 @@ def diff_for_installed(grad_norm: bool = False) -> Tuple[str, str]:
     if version is None:
         raise LookupError("DeepSpeed is not installed")
     if newer_than_tested(version):
-        release = release_with_the_same_methods(grad_norm)
+        release = release_with_the_same_methods(part)
         if release is not None:
-            return diff_for(release, grad_norm)
-    return diff_for(version, grad_norm)
+            return diff_for(release, part)
+    return diff_for(version, part)
 
 
-def release_with_the_same_methods(grad_norm: bool = False) -> Optional[str]:
-    """The last tested release whose methods (the fix's, or with ``grad_norm`` the opt-in's) have the fingerprints of
-    the installed DeepSpeed's originals; None when there is none."""
+def release_with_the_same_methods(part: str = FIX) -> Optional[str]:
+    """The last tested release whose methods (the fix's, or those a patch set named ``part`` replaces or reads) have
+    the fingerprints of the installed DeepSpeed's originals; None when there is none."""
     import importlib
 
     from deepspeed_offload_patch import guard, patcher
     from deepspeed_offload_patch.fingerprints import UNFIXED
 
     cls = getattr(importlib.import_module(patcher.TARGET_MODULE), patcher.TARGET_CLASS)
-    names = guard.GRAD_NORM.methods if grad_norm else guard.fix_methods(cls)
+    if part == FIX:
+        names = guard.fix_methods(cls)
+    else:
+        patch_set = next(p for p in guard.PATCH_SETS if p.name == part)
+        names = patch_set.methods + patch_set.witnesses
     shipped = []
     for name in names:
         original = patcher._originals.get(name, cls.__dict__.get(name))

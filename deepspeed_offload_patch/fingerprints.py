@@ -30,6 +30,12 @@ UNFIXED = {
         'e6694539c119b786': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
                              '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
                              '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
+    },
+    'reset_cpu_buffers': {
+        '67bb6c042396d793': ('0.19.8', )
+    },
+    'step': {
+        '158180d67d03c45b': ('0.19.8', )
     }
 }
 
@@ -41,5 +47,6 @@ OWN = {
     'overflow.has_overflow_dp_if_partitioned': 'ffba0699b62bdf14',
     'overflow.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',
     'overflow.update_offload_overflow_tracker': '5bb45a9f6198c50e',
-    'overflow.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e'
+    'overflow.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e',
+    'skipped_step.reset_cpu_buffers': '38d1e1a8c7de425c'
 }

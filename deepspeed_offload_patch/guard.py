@@ -36,12 +36,14 @@ OLDER_REASON = ("releases before 0.14.0 do not import with a current torch, thei
 @dataclass(frozen=True)
 class PatchSet:
     """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, the module of their replacements, and the
-    releases whose methods have these names (``releases``, a version specifier)."""
+    releases whose methods have these names (``releases``, a version specifier). ``witnesses`` are methods that are
+    not replaced but whose code decides whether the replacements are right (their forms are fingerprinted too)."""
 
     name: str
     module: str
     methods: Tuple[str, ...]
     releases: str = ""
+    witnesses: Tuple[str, ...] = ()
 
 
 #: The fix itself (DeepSpeed pull request 8963), applied by default, from DeepSpeed 0.17.1 on.
@@ -53,11 +55,18 @@ OVERFLOW_FLAG_PER_PARAM = PatchSet("overflow-flag", "deepspeed_offload_patch.ove
 #: Opt-in: the offload gradient norm summed on the device.
 GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
                      ("complete_grad_norm_calculation_for_cpu_offload", ), ">=0.17.1")
+#: On by default where DeepSpeed has the defect: a skipped step leaves no gradient in the compact fp32 partition buffer
+#: (DeepSpeed 0.19.8). ``step()``'s overflow branch is what calls ``reset_cpu_buffers`` with the buffer still there.
+SKIPPED_STEP = PatchSet("skipped-step-buffer",
+                        "deepspeed_offload_patch.skipped_step", ("reset_cpu_buffers", ),
+                        ">=0.19.8",
+                        witnesses=("step", ))
 FIX_FORMS = (OVERFLOW_FLAG, OVERFLOW_FLAG_PER_PARAM)
-PATCH_SETS = FIX_FORMS + (GRAD_NORM, )
+PATCH_SETS = FIX_FORMS + (GRAD_NORM, SKIPPED_STEP)
 
-#: Every method some patch set replaces (the fingerprint table covers them all).
-ALL_METHODS = tuple(dict.fromkeys(name for patch_set in PATCH_SETS for name in patch_set.methods))
+#: Every method some patch set replaces or reads (the fingerprint table covers them all).
+ALL_METHODS = tuple(dict.fromkeys(name for patch_set in PATCH_SETS
+                                  for name in patch_set.methods + patch_set.witnesses))
 
 
 def fix_for(cls: type) -> PatchSet:
@@ -73,6 +82,9 @@ def fix_methods(cls: type) -> Tuple[str, ...]:
     """The names of the fix's two methods on ``cls``: its tracker and ``has_overflow``."""
     return fix_for(cls).methods
 
+
+#: A patch set's state where the loaded DeepSpeed does not have the defect it fixes.
+NOT_NEEDED = "not-needed"
 
 # Per-method findings, reported by status().
 PATCHABLE = "patchable"  # DeepSpeed's own unfixed code, in a form with a known fingerprint
@@ -93,7 +105,7 @@ def fingerprint(func: Callable) -> Optional[str]:
     """:func:`fingerprint_source` of ``func``, or None when its source cannot be read (no ``.py`` file)."""
     try:
         return fingerprint_source(inspect.getsource(func))
-    except (OSError, TypeError, SyntaxError, IndexError):
+    except (OSError, TypeError, SyntaxError, IndexError, ValueError):
         return None
 
 
@@ -266,6 +278,17 @@ def _releases_text(releases: Tuple[str, ...]) -> str:
     return releases[0] if len(releases) == 1 else f"{releases[0]} to {releases[-1]}"
 
 
+def _version_refused(version: str) -> Optional[str]:
+    """Why no change is made to DeepSpeed ``version`` whatever its code (unparsable, or older than ``FIRST``), or
+    None."""
+    release = release_of(version)
+    if release is None:
+        return f"DeepSpeed's version {version!r} cannot be parsed as a version, so the releases it matches are unknown"
+    if release < Version(FIRST):
+        return f"DeepSpeed {version} is older than the first supported release {FIRST}: {OLDER_REASON}"
+    return None
+
+
 def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None) -> Decision:
     """Decide what to do with ``patch_set``'s methods of ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed
     ``version``; by default, the fix in the form that ``cls`` has (:func:`fix_for`).
@@ -288,15 +311,9 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
     if foreign:
         owners = ", ".join(f"{name} (now {_owner(cls.__dict__[name])})" for name in foreign)
         return Decision("conflict", f"{cls.__name__} methods already replaced by another patch: {owners}", methods)
-    release = release_of(version)
-    if release is None:
-        return Decision(
-            "unsupported", f"DeepSpeed's version {version!r} cannot be parsed as a version, so the "
-            f"releases it matches are unknown", methods)
-    if release < Version(FIRST):
-        return Decision("unsupported",
-                        f"DeepSpeed {version} is older than the first supported release {FIRST}: {OLDER_REASON}",
-                        methods)
+    refused = _version_refused(version)
+    if refused is not None:
+        return Decision("unsupported", refused, methods)
     odd = [f"{name}: {result}" for name, result in methods.items() if result != PATCHABLE]
     if odd and MISMATCH in results:
         problem = interpreter_problem()
@@ -315,6 +332,116 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
     else:
         reason = f"DeepSpeed {version}: the methods match a known unfixed form (DeepSpeed {_releases_text(common)})"
     return Decision("applied", reason, methods, {name: replacement for name, (_, replacement) in found.items()})
+
+
+class _BufferGroup(list):
+    """A compact gradient partition group as DeepSpeed 0.19.8 keeps one: views, and the flat partition they share."""
+
+    def __init__(self, flat_partition):
+        super().__init__([flat_partition])
+        self.flat_partition = flat_partition
+
+
+class _Timer:
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def probe_skipped_step(cls: type) -> Optional[str]:
+    """Run ``cls.step`` once on a bare instance (built without ``__init__``) whose overflow check finds an overflow,
+    with the optimizer offloaded and a compact gradient buffer holding an inf; None when, after the skipped step, the
+    buffer is gone or holds no inf/NaN (DeepSpeed's own fix, in any words, of ``step()`` or ``reset_cpu_buffers``),
+    else what it did. ``step()``'s collaborators are stubbed on the instance (the check, the loss scale, the timers,
+    waiting for copies); any exception counts as not fixed. Only code that matches no known form is probed."""
+    import torch
+
+    optimizer = cls.__new__(cls)
+    group = _BufferGroup(torch.tensor([1.0, float("inf")]))
+
+    def check_overflow(partition_gradients=True):
+        optimizer.overflow = True
+
+    state = dict(micro_step_id=0,
+                 cpu_offload=True,
+                 compute_grad_norm=False,
+                 check_grad_overflow=True,
+                 partition_gradients=True,
+                 overflow=False,
+                 custom_loss_scaler=True,
+                 external_loss_scale=1.0,
+                 averaged_gradients={0: group},
+                 all_grad_tensors={0: None},
+                 norm_for_param_grads={},
+                 local_overflow=False,
+                 _global_grad_norm=None,
+                 _offload_accumulated_param_ids=set(),
+                 check_overflow=check_overflow,
+                 _wait_for_offload_copies=lambda: None,
+                 _update_scale=lambda overflow: None,
+                 zero_grad=lambda set_to_none=True: None,
+                 timers=lambda name: _Timer(),
+                 _use_compact_grad_partition_buffer=lambda group_idx: True)
+    try:
+        vars(optimizer).update(state)
+        cls.step(optimizer)
+        if not optimizer.overflow:
+            return "did not take the overflow branch"
+        left = optimizer.averaged_gradients.get(0)
+        tensors = [getattr(left, "flat_partition", None)] + (list(left) if isinstance(left, list) else [left])
+        if any(torch.is_tensor(t) and not torch.isfinite(t).all() for t in tensors):
+            return "keeps the skipped step's inf/NaN in its compact gradient buffer"
+    except Exception as exc:  # unknown code: whatever it does wrong, it is not the fixed form
+        return f"raised {type(exc).__name__}: {exc}"
+    return None
+
+
+def inspect_skipped_step(cls: type, version: str) -> Decision:
+    """Decide on :data:`SKIPPED_STEP` for ``cls``: ``not-needed`` without a compact gradient buffer (DeepSpeed before
+    0.19.8); ``applied`` (with the replacement) when ``reset_cpu_buffers`` and ``step`` are the known forms;
+    ``conflict`` when someone else replaced ``reset_cpu_buffers``; otherwise :func:`probe_skipped_step` decides
+    between ``upstream-fixed`` and ``unsupported`` (whose reason names the interpreter where it, not DeepSpeed, is
+    what changed)."""
+    name, witness = SKIPPED_STEP.methods[0], SKIPPED_STEP.witnesses[0]
+    refused = _version_refused(version)
+    if refused is not None:
+        return Decision("unsupported", refused)
+    if not hasattr(cls, "_use_compact_grad_partition_buffer"):
+        return Decision(
+            NOT_NEEDED, f"DeepSpeed {version} has no compact fp32 gradient partition buffer (added in 0.19.8): a "
+            "skipped step leaves no gradient behind")
+    found, replacement = classify_method(cls, name)
+    step = cls.__dict__.get(witness)
+    step_known = step is not None and fingerprint(step) in UNFIXED.get(witness, {})
+    methods = {name: found, witness: PATCHABLE if step_known else (MISMATCH if step is not None else MISSING)}
+    if found == OURS:
+        return Decision("applied", f"DeepSpeed {version}: already applied", methods)
+    if found == FOREIGN:
+        return Decision(
+            "conflict", f"{cls.__name__}.{name} already replaced by another patch (now "
+            f"{_owner(cls.__dict__[name])})", methods)
+    if found == FIXED:
+        return Decision("upstream-fixed", f"DeepSpeed {version}: {name} is already the fixed form", methods)
+    if found == PATCHABLE and step_known:
+        releases = UNFIXED[witness][fingerprint(step)]
+        return Decision(
+            "applied", f"DeepSpeed {version}: step() and {name} match the form of DeepSpeed "
+            f"{_releases_text(releases)}, whose skipped steps keep their gradient", methods, {name: replacement})
+    problem = probe_skipped_step(cls)
+    if problem is None:
+        return Decision(
+            "upstream-fixed", f"DeepSpeed {version}: a skipped step leaves no gradient behind (its "
+            "step() behaves as fixed)", methods)
+    odd = ", ".join(f"{method}: {result}" for method, result in methods.items() if result != PATCHABLE)
+    python = interpreter_problem() if MISMATCH in methods.values() else None
+    if python:
+        return Decision("unsupported", f"{python} ({odd}); DeepSpeed {version} is left unchanged", methods)
+    return Decision(
+        "unsupported", f"DeepSpeed {version}: {cls.__name__}.step {problem}, in a form this fix was not built for "
+        f"({odd})", methods)
 
 
 def _owner(func: Callable) -> str:

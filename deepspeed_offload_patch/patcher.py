@@ -29,8 +29,13 @@ DEEPSPEED_MISSING = "deepspeed-missing"
 REVERTED = "reverted"
 NOT_APPLIED = "not-applied"
 
+NOT_NEEDED = "not-needed"
+OFF = "off"
+
 #: States in which DeepSpeed's offload overflow check does not synchronize the host per gradient.
 GOOD_STATES = (APPLIED, UPSTREAM_FIXED)
+#: States of the skipped-step fix in which a skipped step leaves no gradient behind, or the user chose otherwise.
+SKIPPED_STEP_GOOD_STATES = (APPLIED, UPSTREAM_FIXED, NOT_NEEDED, OFF)
 
 
 class PatchError(RuntimeError):
@@ -41,11 +46,14 @@ class PatchError(RuntimeError):
 class PatchStatus:
     """Where the patch stands in this process.
 
-    ``state`` is the fix's: one of applied, pending (DeepSpeed's ZeRO module is not imported yet; the patch applies
-    when it is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing, reverted or not-applied (before
-    the package's import has run). ``methods`` maps each examined method to the guard's finding (see
-    :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the opt-in's state: off (not asked for),
-    applied, upstream-fixed, unsupported, conflict or reverted, with ``grad_norm_reason``.
+    ``state`` is the fix's (the overflow flag on the device): one of applied, pending (DeepSpeed's ZeRO module is not
+    imported yet; the patch applies when it is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing,
+    reverted or not-applied (before the package's import has run). ``methods`` maps each examined method to the
+    guard's finding (see :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the opt-in's state: off
+    (not asked for), applied, upstream-fixed, unsupported, conflict or reverted, with ``grad_norm_reason``.
+    ``skipped_step`` is the skipped-step fix's (on by default): off (switched off), applied, not-needed (the
+    DeepSpeed has no such defect), upstream-fixed, unsupported, conflict or reverted, with ``skipped_step_reason``;
+    it is decided with the fix (pending, disabled and the rest leave it ``off``).
     """
 
     state: str
@@ -54,6 +62,8 @@ class PatchStatus:
     methods: Dict[str, str] = field(default_factory=dict)
     grad_norm_on_device: str = "off"
     grad_norm_reason: str = ""
+    skipped_step: str = "off"
+    skipped_step_reason: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,19 +106,26 @@ def deepspeed_installed() -> bool:
         return False
 
 
-def _set(state: str, reason: str, methods: Optional[Dict[str, str]] = None, grad_norm=None) -> "PatchStatus":
-    """Record the status; ``grad_norm`` is the opt-in's ``(state, reason)``, kept as it was when None."""
+def _set(state: str,
+         reason: str,
+         methods: Optional[Dict[str, str]] = None,
+         grad_norm=None,
+         skipped_step=None) -> "PatchStatus":
+    """Record the status; ``grad_norm`` and ``skipped_step`` are those changes' ``(state, reason)``, kept as they
+    were when None."""
     global _status
     if grad_norm is None:
         grad_norm = (_status.grad_norm_on_device, _status.grad_norm_reason)
-    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}), *grad_norm)
+    if skipped_step is None:
+        skipped_step = (_status.skipped_step, _status.skipped_step_reason)
+    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}), *grad_norm, *skipped_step)
     return _status
 
 
 def _report(what: str, state: str, reason: str, strict: bool) -> None:
     if state == APPLIED:
         info_once(f"{what}: applied: {reason}")
-    elif state == UPSTREAM_FIXED:
+    elif state in (UPSTREAM_FIXED, NOT_NEEDED):
         info_once(f"{what}: not needed: {reason}")
     elif state in (UNSUPPORTED, CONFLICT):
         message = f"{what} not applied ({state}): {reason}; DeepSpeed is left unchanged"
@@ -119,9 +136,13 @@ def _report(what: str, state: str, reason: str, strict: bool) -> None:
 
 def _apply_set(cls: type, patch_set):
     """Let the guard decide on ``patch_set``'s methods of ``cls`` and install its replacements if it says so."""
-    from deepspeed_offload_patch.guard import inspect_target
+    from deepspeed_offload_patch.guard import SKIPPED_STEP, inspect_skipped_step, inspect_target
 
-    decision = inspect_target(cls, deepspeed_version() or "unknown", patch_set)
+    version = deepspeed_version() or "unknown"
+    if patch_set is SKIPPED_STEP:
+        decision = inspect_skipped_step(cls, version)
+    else:
+        decision = inspect_target(cls, version, patch_set)
     for name, replacement in decision.replacements.items():
         _originals[name] = cls.__dict__[name]
         _installed[name] = replacement
@@ -134,14 +155,18 @@ def _apply_set(cls: type, patch_set):
 
 
 def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchStatus:
-    """Apply the fix, and the on-device grad norm if ``grad_norm``, to the loaded ZeRO module."""
-    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG, fix_for
+    """Apply the fix, the skipped-step fix unless switched off, and the on-device grad norm if ``grad_norm``, to the
+    loaded ZeRO module."""
+    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG, SKIPPED_STEP, fix_for
 
+    skipped_step = settings.skipped_step()
     with _lock:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is None:
             missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
-            status = _set(*missing, grad_norm=missing if grad_norm else None)
+            status = _set(*missing,
+                          grad_norm=missing if grad_norm else None,
+                          skipped_step=missing if skipped_step else _skipped_step_off())
         else:
             form = fix_for(cls)
             fix = _apply_set(cls, form)
@@ -153,11 +178,25 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
                 opt_in = _apply_set(cls, GRAD_NORM)
                 methods.update(opt_in.methods)
                 norm = (opt_in.state, opt_in.reason)
-            status = _set(fix.state, fix.reason, methods, grad_norm=norm)
+            skipped = _skipped_step_off()
+            if skipped_step:
+                found = _apply_set(cls, SKIPPED_STEP)
+                methods.update(found.methods)
+                skipped = (found.state, found.reason)
+            status = _set(fix.state, fix.reason, methods, grad_norm=norm, skipped_step=skipped)
     _report("the offload overflow flag fix", status.state, status.reason, strict)
     if grad_norm:
         _report("the on-device grad norm (opt-in)", status.grad_norm_on_device, status.grad_norm_reason, strict)
+    # One message per cause: a DeepSpeed that both changes refuse for the same reason (its version) is said once.
+    if skipped_step and (status.skipped_step, status.skipped_step_reason) != (status.state, status.reason):
+        _report("the skipped-step fix", status.skipped_step, status.skipped_step_reason, strict)
     return status
+
+
+def _skipped_step_off() -> tuple:
+    """The skipped-step fix's state when its switches leave it out."""
+    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{settings.SKIPPED_STEP}=0"
+    return (OFF, f"{which}: left out")
 
 
 def _restore(module: ModuleType) -> None:
@@ -324,10 +363,13 @@ def revert() -> PatchStatus:
         if not _originals or module is None:
             return _set(REVERTED, "the pending patch was cancelled") if _status.state == PENDING else status()
         had_grad_norm = _status.grad_norm_on_device == APPLIED
+        had_skipped_step = _status.skipped_step == APPLIED
         _restore(module)
+        restored = (REVERTED, "revert() restored DeepSpeed's original method")
         return _set(REVERTED,
                     "revert() restored DeepSpeed's original methods",
-                    grad_norm=(REVERTED, "revert() restored DeepSpeed's original method") if had_grad_norm else None)
+                    grad_norm=restored if had_grad_norm else None,
+                    skipped_step=restored if had_skipped_step else None)
 
 
 def is_applied() -> bool:
@@ -344,10 +386,20 @@ def is_applied() -> bool:
 
 
 def status() -> PatchStatus:
-    """The current status. Reports ``conflict`` if someone replaced a patched method after the patch applied."""
+    """The current status. Reports ``conflict`` (for the fix, or for the skipped-step fix) if someone replaced a
+    patched method after the patch applied."""
     with _lock:
-        if _status.state == APPLIED and not is_applied():
-            return PatchStatus(CONFLICT, _status.deepspeed_version,
-                               f"{TARGET_CLASS} methods were replaced by someone else after the patch applied",
-                               _status.methods, _status.grad_norm_on_device, _status.grad_norm_reason)
-        return PatchStatus(**_status.as_dict())
+        current = PatchStatus(**_status.as_dict())
+        if current.state == APPLIED and not is_applied():
+            current.state = CONFLICT
+            current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
+        if current.skipped_step == APPLIED and not _still_ours("reset_cpu_buffers"):
+            current.skipped_step = CONFLICT
+            current.skipped_step_reason = (f"{TARGET_CLASS}.reset_cpu_buffers was replaced by someone else after the "
+                                           "patch applied")
+        return current
+
+
+def _still_ours(name: str) -> bool:
+    cls = getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
+    return cls is not None and name in _installed and cls.__dict__.get(name) is _installed[name]

@@ -12,16 +12,25 @@ STRICT = "DS_OFFLOAD_PATCH_STRICT"
 GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
 #: ``0``: importing the package does not patch (state ``not-applied``); ``apply()`` still does. On by default.
 AUTO = "DS_OFFLOAD_PATCH_AUTO"
+#: ``0``: leave out the skipped-step fix (a skipped step's gradient kept in DeepSpeed 0.19.8's compact fp32 buffer).
+#: On by default where DeepSpeed has that defect.
+SKIPPED_STEP = "DS_OFFLOAD_PATCH_SKIPPED_STEP"
+#: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: the
+#: skipped-step fix and the opt-in grad norm stay off whatever their own switches say.
+UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def flag(name: str, odd: bool = False, unset: bool = False) -> bool:
+def flag(name: str,
+         odd: bool = False,
+         unset: bool = False,
+         odd_means: str = "which leaves DeepSpeed untouched") -> bool:
     """Read a boolean switch: ``1/true/yes/on`` or ``0/false/no/off`` (any case); unset or empty means ``unset``.
 
     Any other value counts as ``odd``, with a warning that names the switch, the value and the reading (logged
-    once). Each switch passes the reading that leaves DeepSpeed untouched.
+    once), and what that reading does (``odd_means``). Each switch passes the reading that changes DeepSpeed least.
     """
     value = os.environ.get(name, "").strip().lower()
     if not value:
@@ -31,8 +40,7 @@ def flag(name: str, odd: bool = False, unset: bool = False) -> bool:
     if value in _FALSE:
         return False
     from deepspeed_offload_patch.log import warn_once
-    warn_once(f"{name}={os.environ[name]!r} is neither 0 nor 1; treating it as {int(odd)}, which leaves DeepSpeed "
-              f"untouched")
+    warn_once(f"{name}={os.environ[name]!r} is neither 0 nor 1; treating it as {int(odd)}, {odd_means}")
     return odd
 
 
@@ -45,7 +53,19 @@ def strict() -> bool:
 
 
 def grad_norm() -> bool:
-    return flag(GRAD_NORM)
+    return flag(GRAD_NORM) and not upstream_only()
+
+
+def upstream_only() -> bool:
+    """An odd value reads as 1: the fewer changes."""
+    return flag(UPSTREAM_ONLY, odd=True, odd_means="which applies only the upstream change")
+
+
+def skipped_step() -> bool:
+    """Whether to apply the skipped-step fix: unless ``DS_OFFLOAD_PATCH_SKIPPED_STEP`` is false or
+    ``DS_OFFLOAD_PATCH_UPSTREAM_ONLY`` is true. An odd value of either reads as the one that leaves DeepSpeed as it is
+    without this fix (off), with a warning."""
+    return not upstream_only() and flag(SKIPPED_STEP, odd=False, unset=True, odd_means="which leaves this fix out")
 
 
 def auto() -> bool:

@@ -68,6 +68,10 @@ def canonical(node: ast.AST) -> str:
 
 
 def _without_what_is_ignored(node: ast.AST) -> ast.AST:
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        # Source that is not a function's: a function compiled from a string under a file's name reads that
+        # file's first lines.
+        raise ValueError(f"not a function definition: {type(node).__name__}")
     node.name = ""
     node.decorator_list = []
     first = node.body[0] if node.body else None
@@ -85,7 +89,8 @@ def digest_source(source: str) -> str:
     indented as a method) without its name, its decorators and its docstring (a body of only a docstring counts as
     ``pass``): blind to formatting, comments, decorators, the docstring, the function's name and the interpreter.
 
-    Raises ``SyntaxError`` when ``source`` does not parse and ``IndexError`` when it holds no statement."""
+    Raises ``SyntaxError`` when ``source`` does not parse, ``IndexError`` when it holds no statement and
+    ``ValueError`` when its first statement is no function."""
     return _digest(ast.parse(textwrap.dedent(source)).body[0])
 
 

@@ -6,7 +6,9 @@ A tiny ZeRO-2 engine with the optimizer offloaded to the CPU (world size 1, in a
 accelerator, or the GPU DeepSpeed finds), in bf16 (fp16 before DeepSpeed 0.17.1, where only fp16 reads the overflow
 flag), trains a few steps with each boundary backward under
 :func:`~deepspeed_offload_patch.testing.no_host_sync`, then a NaN gradient must make it skip a step and leave the
-parameters unchanged. Returns 0 when both hold, 1 otherwise.
+parameters unchanged. Where DeepSpeed accumulates fp32 gradients in a compact buffer (0.19.8) and the skipped-step
+fix is on, a second engine with ``grad_accum_dtype: fp32`` gets a NaN at one step and must skip it and update the
+parameters at the next (unfixed, that step and every later one are skipped). Returns 0 when all hold, 1 otherwise.
 """
 
 from typing import Any, Dict
@@ -54,7 +56,37 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
     after = params_snapshot(engine)
     report["nan_skipped"] = engine.skipped_steps == skipped + 1
     report["unchanged"] = all(torch.equal(after[name], value) for name, value in before.items())
+    report["skipped_step"] = dop.status().skipped_step
+    if report["skipped_step"] not in ("not-needed", "off"):
+        report["next_step"] = _step_after_a_skip(precision)
     return report
+
+
+def _step_after_a_skip(precision: str) -> Dict[str, bool]:
+    """With fp32 gradient accumulation: a NaN at one step is skipped, and the next step updates the parameters."""
+    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
+
+    engine = make_engine(40,
+                         config=ds_config(stage=2, dtype=precision, grad_accum=GRAD_ACCUM, grad_accum_dtype="fp32"))
+
+    def one_step(step: int, nan: bool) -> None:
+        poisoned = engine.module.layers[0].weight
+        handle = poisoned.register_hook(lambda g: torch.full_like(g, float("nan"))) if nan else None
+        for micro in range(GRAD_ACCUM):
+            engine.backward(engine(batch(engine, 2000 + step * GRAD_ACCUM + micro)))
+            optimizer_step(engine)
+        if handle is not None:
+            handle.remove()
+
+    one_step(0, nan=True)
+    skipped, before = engine.skipped_steps, params_snapshot(engine)
+    one_step(1, nan=False)
+    after = params_snapshot(engine)
+    return {
+        "nan_skipped": skipped == 1,
+        "next_taken": engine.skipped_steps == skipped,
+        "updated": any(not torch.equal(after[name], value) for name, value in before.items()),
+    }
 
 
 def verify(steps: int = 3) -> int:
@@ -78,4 +110,13 @@ def verify(steps: int = 3) -> int:
               f"unchanged: {report['unchanged']})")
         return 1
     print("verify: ok: a NaN gradient skips the step and leaves the parameters unchanged")
+    if "next_step" not in report:
+        print(f"verify: the skipped-step fix is {report['skipped_step']}: nothing more to check")
+        return 0
+    found = report["next_step"]
+    if not all(found.values()):
+        print(f"verify: FAIL: with fp32 gradient accumulation, the step after a skipped one did not update the "
+              f"parameters (skipped-step fix {report['skipped_step']}; {found})")
+        return 1
+    print("verify: ok: with fp32 gradient accumulation, the step after a skipped one updates the parameters")
     return 0

@@ -32,28 +32,48 @@ from deepspeed_offload_patch.testing.models import (ManyLinear, ModelParallelGro
                                                     batch, ds_config, make_engine, optimizer_step)
 
 __all__ = [
-    "CURRENT", "PATCHED", "UNPATCHED", "Fault", "Run", "backward_to_boundary", "bad_gradients_survive",
-    "boundary_syncs", "differences", "fault_problems", "flag_is_read", "overflow_sticks", "invalid_norm_skips_step",
-    "per_param_tracker", "poison_grad", "poison_plan", "ranks_agree_on_overflow", "run_side",
-    "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
+    "BUFFER_OFF", "CLEARED_AFTER_SKIP", "CURRENT", "PATCHED", "UNPATCHED", "UPSTREAM_ONLY", "Fault", "Run",
+    "backward_to_boundary", "bad_gradients_survive", "boundary_syncs", "differences", "fault_problems", "flag_is_read",
+    "overflow_sticks", "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan",
+    "ranks_agree_on_overflow", "reference_side", "run_side", "set_full_grad_reaches_tracker", "trace_runs",
+    "zenflow_available"
 ]
 
 PATCHED = "patched"
 UNPATCHED = "unpatched"
 #: The patch as this process's ``DS_OFFLOAD_PATCH_DISABLE`` says (the red/green run disables it), the rest as the sides.
 CURRENT = "current"
+#: Unpatched DeepSpeed with its compact fp32 gradient partition buffer turned off (0.19.8 accumulates into it with
+#: fp32 ``grad_accum_dtype``): the reference for the skipped-step fix. Without a fault, buffer on and off train the
+#: same bits; with one, the buffer keeps the skipped step's inf/NaN and this side does not.
+BUFFER_OFF = "unpatched-buffer-off"
+#: Unpatched DeepSpeed whose compact gradient buffers the harness zeroes after each skipped step: the skipped-step
+#: fix's specification, written independently. The reference at ZeRO-2, where turning the buffer off changes the bits
+#: even without a fault (measured on 0.19.8: the fp32 master partitions differ from the first step), so that
+#: :data:`BUFFER_OFF` is a sound reference at ZeRO-1 only.
+CLEARED_AFTER_SKIP = "unpatched-cleared-after-skip"
+#: Only the upstream pull request's change (``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1``).
+UPSTREAM_ONLY = "upstream-only"
+#: Read in each rank of the harness: ``0`` turns DeepSpeed's compact gradient partition buffer off.
+COMPACT_BUFFER = "DS_OFFLOAD_TEST_COMPACT_BUFFER"
+#: Read in each rank of the harness: ``1`` zeroes the compact gradient buffers after each skipped step.
+CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
+_SWITCHES = {
+    "DS_OFFLOAD_PATCH_DISABLE": "0",
+    "DS_OFFLOAD_PATCH_STRICT": "0",
+    "DS_OFFLOAD_PATCH_GRAD_NORM": "0",
+    "DS_OFFLOAD_PATCH_SKIPPED_STEP": "1",
+    "DS_OFFLOAD_PATCH_UPSTREAM_ONLY": "0",
+    COMPACT_BUFFER: "1",
+    CLEAR_AFTER_SKIP: "0",
+}
 #: Each side's switches, whatever the calling process has: the sides must differ in the patch and nothing else.
 SIDE_ENV = {
-    PATCHED: {
-        "DS_OFFLOAD_PATCH_DISABLE": "0",
-        "DS_OFFLOAD_PATCH_STRICT": "0",
-        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
-    },
-    UNPATCHED: {
-        "DS_OFFLOAD_PATCH_DISABLE": "1",
-        "DS_OFFLOAD_PATCH_STRICT": "0",
-        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
-    },
+    PATCHED: dict(_SWITCHES),
+    UNPATCHED: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1"),
+    BUFFER_OFF: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1", **{COMPACT_BUFFER: "0"}),
+    CLEARED_AFTER_SKIP: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1", **{CLEAR_AFTER_SKIP: "1"}),
+    UPSTREAM_ONLY: dict(_SWITCHES, DS_OFFLOAD_PATCH_UPSTREAM_ONLY="1"),
 }
 PRECISIONS = ("bf16", "bf16-nocheck", "fp32", "fp16")
 MODELS = ("plain", "sometimes-unused", "param-groups", "moe")
@@ -162,19 +182,35 @@ class Run:
         return config
 
 
-def overflow_sticks(run: Run) -> bool:
-    """Whether, on the installed DeepSpeed, the first skipped step of ``run`` makes every later step overflow too,
-    patched or not.
+def overflow_sticks(run: Run, result: Optional[Sequence[Dict[str, Any]]] = None) -> bool:
+    """Whether the first skipped step of ``run`` makes every later step overflow too: on the installed DeepSpeed,
+    or, given a :func:`run_side` ``result``, in the processes that trained it.
 
     With gradients accumulated in fp32 under bf16 or fp16 (``grad_accum_dtype``), releases that accumulate into a
-    compact fp32 partition buffer (``DeepSpeedZeroOptimizer._use_compact_grad_partition_buffer``) keep the inf or NaN
-    in that buffer when the step is skipped: measured on 0.19.8, ZeRO-1 and ZeRO-2, where the buffer is off an inf
-    at step 1 skips step 1 only. An upstream behaviour the patch keeps (the runs are bit-identical to unpatched).
+    compact fp32 partition buffer (``DeepSpeedZeroOptimizer._use_compact_grad_partition_buffer``, 0.19.8) keep the
+    inf or NaN in that buffer when the step is skipped with the optimizer offloaded: measured on 0.19.8, ZeRO-1 and
+    ZeRO-2, where the buffer is off an inf at step 1 skips step 1 only. The skipped-step fix drops the buffer (its
+    state is in each rank's result), as does the :data:`BUFFER_OFF` side.
     """
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     separate = run.grad_accum_dtype == "fp32" and run.precision != "fp32"
-    return separate and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")
+    if not (separate and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")):
+        return False
+    if result is None:
+        return True
+    rank = result[0]
+    return (rank.get("compact_buffer", True) and not rank.get("cleared_after_skip")
+            and rank.get("skipped_step") not in ("applied", "upstream-fixed"))
+
+
+def reference_side(run: Run) -> str:
+    """The side that the patched processes must train ``run`` bit-identically to: :data:`UNPATCHED`, except where
+    the skipped-step fix changes the run (a fault, and DeepSpeed keeping it in its compact buffer): there unpatched
+    DeepSpeed without that defect, :data:`BUFFER_OFF` at ZeRO-1 and :data:`CLEARED_AFTER_SKIP` at ZeRO-2."""
+    if not (run.faults and overflow_sticks(run)):
+        return UNPATCHED
+    return BUFFER_OFF if run.stage == 1 else CLEARED_AFTER_SKIP
 
 
 def invalid_norm_skips_step() -> bool:
@@ -407,7 +443,17 @@ def _train_step(engine, run: Run, step: int) -> Tuple[Any, int]:
                     _set_fault(engine, run, fault)
             flag = _flag(engine.optimizer)
         optimizer_step(engine)
+        if boundary and os.environ.get(CLEAR_AFTER_SKIP) == "1" and getattr(engine.optimizer, "overflow", False):
+            _zero_compact_buffers(engine.optimizer)
     return flag, syncs
+
+
+def _zero_compact_buffers(optimizer) -> None:
+    """What a skipped step must leave behind, written from the outside: no gradient in a compact buffer."""
+    for group in getattr(optimizer, "averaged_gradients", {}).values():
+        flat = getattr(group, "flat_partition", None)
+        if flat is not None:
+            flat.zero_()
 
 
 def _groups(optimizer) -> Dict[str, Any]:
@@ -475,11 +521,24 @@ def trace_runs(runs: Sequence[Run],
         # DeepSpeed before 0.16 loads its checkpoints with torch.load's default, which from torch 2.6 refuses the loss
         # scaler object DeepSpeed saved (weights_only). These are checkpoints this run's own ranks wrote.
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    if os.environ.get(COMPACT_BUFFER) == "0":
+        _turn_compact_buffer_off()
     if setup is not None:
         setup()
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    status = deepspeed_offload_patch.status()
     result: Dict[str, Any] = {
-        "state": deepspeed_offload_patch.status().state,
-        "methods": method_origins(),
+        "state":
+        status.state,
+        "skipped_step":
+        status.skipped_step,
+        "compact_buffer":
+        os.environ.get(COMPACT_BUFFER) != "0"
+        and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer"),
+        "cleared_after_skip":
+        os.environ.get(CLEAR_AFTER_SKIP) == "1",
+        "methods":
+        method_origins(),
         "runs": {},
         "resumed": {}
     }
@@ -489,6 +548,14 @@ def trace_runs(runs: Sequence[Run],
         if load_root:
             result["resumed"][run.name] = _train(run, None, os.path.join(load_root, run.name))
     return result
+
+
+def _turn_compact_buffer_off() -> None:
+    """Make DeepSpeed accumulate fp32 gradients as it did before 0.19.8 (no compact partition buffer)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer"):
+        DeepSpeedZeroOptimizer._use_compact_grad_partition_buffer = lambda self, group_idx: False
 
 
 def side_env(side: str) -> Dict[str, str]:
@@ -507,8 +574,9 @@ def run_side(side: str,
              load_root: Optional[str] = None,
              world_size: Optional[int] = None,
              timeout: float = HANG_GUARD_S) -> List[Dict[str, Any]]:
-    """:func:`trace_runs` on fresh ranks with the patch on (``PATCHED``), off (``UNPATCHED``) or as this process's
-    switch says (``CURRENT``); returns each rank's result. The ranks are the runs' ``world_size`` (all runs must share
+    """:func:`trace_runs` on fresh ranks with the patch on (``PATCHED``), off (``UNPATCHED``, ``BUFFER_OFF``), with
+    only the upstream change (``UPSTREAM_ONLY``) or as this process's switch says (``CURRENT``); returns each rank's
+    result. The ranks are the runs' ``world_size`` (all runs must share
     it), or ``world_size`` where given. ``setup`` must pickle (a module-level function).
 
     Raises:
@@ -539,7 +607,7 @@ def fault_problems(run: Run, result: Sequence[Dict[str, Any]]) -> List[str]:
     :func:`overflow_sticks`, every step from the first faulty one is skipped. Returns what did not hold, per rank."""
     problems = []
     fault_steps = sorted({fault.step for fault in run.faults})
-    if fault_steps and overflow_sticks(run):
+    if fault_steps and overflow_sticks(run, result):
         fault_steps = list(range(fault_steps[0], run.steps))
     for number, rank in enumerate(result):
         steps = rank["runs"][run.name]["steps"]

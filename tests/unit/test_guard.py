@@ -15,7 +15,10 @@ from deepspeed_offload_patch.releases import PATCHED_RELEASES
 
 
 def test_every_recorded_form_has_exactly_one_replacement():
+    witnesses = {name for patch_set in guard.PATCH_SETS for name in patch_set.witnesses}
     for name, forms in UNFIXED.items():
+        if name in witnesses:  # read, not replaced
+            continue
         for digest, releases in forms.items():
             assert guard.replacement_for(name, digest) is not None, (name, releases)
             matching = [

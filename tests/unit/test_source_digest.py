@@ -111,3 +111,12 @@ def test_an_interpreter_that_reads_code_otherwise_is_named_not_deepspeed(monkeyp
     assert decision.state == "unsupported" and decision.replacements == {}
     assert "Python" in decision.reason and "the interpreter, not DeepSpeed" in decision.reason, decision.reason
     assert "mismatch" in decision.reason
+
+
+def test_source_that_is_not_a_function_has_no_fingerprint():
+    """A function compiled from a string under a file's name reads that file's first lines as its source."""
+    with pytest.raises(ValueError):
+        source_digest.digest_source("import os\n")
+    namespace = {}
+    exec(compile("def f(self):\n    return 1\n", overflow.__file__, "exec"), namespace)
+    assert guard.fingerprint(namespace["f"]) is None

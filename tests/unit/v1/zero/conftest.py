@@ -1,8 +1,16 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The opt-in on-device gradient norm replaces a method of DeepSpeed 0.17.1 and later: on older releases there is
-nothing for its tests to test (the package reports the opt-in as unsupported there), so they are not collected."""
+"""The opt-in on-device gradient norm replaces a method of DeepSpeed 0.17.1 and later, and the skipped-step fix one
+whose defect came with 0.19.8's compact gradient buffer: on older releases there is nothing for their tests to test
+(the package reports the opt-in as unsupported there, the fix as not-needed), so they are not collected."""
 
 from deepspeed_offload_patch.testing.equivalence import per_param_tracker
 
-collect_ignore = ["test_offload_grad_norm.py"] if per_param_tracker() else []
+
+def _has_compact_buffer() -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    return hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")
+
+
+collect_ignore = (["test_offload_grad_norm.py"] if per_param_tracker() else []) + \
+    ([] if _has_compact_buffer() else ["test_offload_skipped_step.py"])
