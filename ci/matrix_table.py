@@ -35,10 +35,11 @@ def load() -> list:
 
 
 def passed(result: dict) -> bool:
-    """The state is the expected one, the tests ran and none failed or was skipped, the red/green proof (where it
-    ran) held, and with the diffs applied both parts read as expected and the ZeRO tests passed on the diffs alone."""
+    """The state (and the skipped-step fix's, where recorded) is the expected one, the tests ran and none failed or
+    was skipped, the red/green proof (where it ran) held, and with the diffs applied both parts read as expected and the ZeRO tests passed on the diffs alone."""
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
+    ok = ok and result.get("skipped_step") == result.get("skipped_step_expected")
     ok = ok and result.get("red_green", "pass") == "pass"
     ok = ok and result.get("watch", {}).get("as_expected", True)
     if "diff_tests" in result:
@@ -108,7 +109,8 @@ def render(results: list, kept: list = ()) -> str:
         built += WHEEL if r.get("package") == "wheel" else ""
         if r.get("torch", "2.13.0").split("+")[0] != "2.13.0":
             built += f", torch {r['torch'].split('+')[0]}"
-        rows.append((Version(r["release"]), f"| {r['release']} | {built} | {python_of(r)} | {r['state']} | "
+        state = r["state"] + (f"; skipped-step fix {r['skipped_step']}" if "skipped_step" in r else "")
+        rows.append((Version(r["release"]), f"| {r['release']} | {built} | {python_of(r)} | {state} | "
                      f"{_tests(r['tests'])} | "
                      f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
                      f"{r.get('commit', '?')} |"))

@@ -5,7 +5,8 @@ the tracker of ``stage_1_and_2.py`` rewritten; print the tree's path.
 
 It stands for what the package will meet after the last release it was tested on: a later release or a dev build
 with the same code (``none``), DeepSpeed's own fix written in its own words (``fixed-differently``: other names,
-an in-place ``logical_or_``, ``has_overflow`` rewritten too), or a tracker changed in a way that still reads the
+an in-place ``logical_or_``, ``has_overflow`` rewritten too; and the skipped-step defect fixed in ``step()``'s
+overflow branch, which drops the compact gradient buffers itself), or a tracker changed in a way that still reads the
 host (``truth-test``: ``.item()`` on the check's result).
 
     python ci/variants.py 0.19.8 0.19.9 none
@@ -67,6 +68,16 @@ EDITS = {
     },
 }
 
+# Edits inside a method too long to rewrite here: (the text DeepSpeed's file has, what it becomes), each found once.
+LINE_EDITS = {
+    "fixed-differently":
+    (("            if self.cpu_offload:\n                self.reset_cpu_buffers()\n            else:\n",
+      "            if self.cpu_offload:\n                self.reset_cpu_buffers()\n"
+      "                # The compact fp32 gradient buffers hold the skipped step's inf/NaN.\n"
+      "                for k in list(self.averaged_gradients.keys()):\n"
+      "                    self.averaged_gradients[k] = None\n            else:\n"), ),
+}
+
 
 def make_tree(base: str, version: str, edit: str, sdists: str, into: str) -> str:
     """Unpack DeepSpeed ``base``'s sdist under ``into``, set ``version``, apply ``edit``; return the tree."""
@@ -83,8 +94,13 @@ def make_tree(base: str, version: str, edit: str, sdists: str, into: str) -> str
             name: textwrap.indent(textwrap.dedent(text).lstrip("\n"), "    ")
             for name, text in EDITS[edit].items()
         }
+        source = replace_methods(source, texts)
+        for old, new in LINE_EDITS.get(edit, ()):
+            if source.count(old) != 1:
+                raise SystemExit(f"{edit}: the text to edit is not once in {TARGET} of {base}")
+            source = source.replace(old, new)
         with open(path, "w") as f:
-            f.write(replace_methods(source, texts))
+            f.write(source)
     return tree
 
 

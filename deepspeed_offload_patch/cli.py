@@ -164,6 +164,11 @@ def _diff_command(args) -> int:
     return 0
 
 
+def _affected_command(args) -> int:
+    from deepspeed_offload_patch.affected import report
+    return report(args.config, resolve_status, as_json=args.json)
+
+
 def _run_command(args) -> int:
     from deepspeed_offload_patch.launcher import run
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -210,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
         "behavioural check, diff, launcher and host-sync audit.",
         epilog=f"Exit codes of check and status: {EXIT_TEXT}. verify: 0 pass, 1 fail. diff: 1 no diff for this "
-        "DeepSpeed. run: the command's code, 2 no command, 127 cannot start it. audit: see its --help.")
+        "DeepSpeed. affected: 0 nothing stays unfixed, 1 a defect stays, 2 unreadable config. run: the command's code, 2 no command, 127 cannot start it. audit: see its --help."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     status = sub.add_parser("status",
                             help="what the patch does with the installed DeepSpeed (exit code as check's)",
@@ -245,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the skipped-step fix's diff instead (DeepSpeed 0.19.8: a skipped step's gradient is not "
                        "carried into the next steps)")
     diff.set_defaults(func=_diff_command)
+    affected = sub.add_parser("affected",
+                              help="which defects a DeepSpeed config's job has, and whether this package fixes each",
+                              description="Read a DeepSpeed config (the JSON given to the deepspeed launcher, HF "
+                              "Trainer or Accelerate) and say, with the installed DeepSpeed, whether the job has the "
+                              "per-gradient host syncs, the freeze after one inf/NaN (fp32 gradient accumulation on "
+                              "0.19.8) and step()'s per-tensor reads, and whether the package fixes each here. HF's "
+                              "\"auto\" values give \"maybe\". Exit 0 when no defect stays (none, or each fixed "
+                              "by default here), 1 when one does or may, 2 when the config cannot be read.")
+    affected.add_argument("config", help="the DeepSpeed config JSON file")
+    affected.add_argument("--json", action="store_true", help="machine-readable output")
+    affected.set_defaults(func=_affected_command)
     run = sub.add_parser("run",
                          help="run a command with the patch applied in every Python process it starts",
                          description="Run COMMAND with a bootstrap sitecustomize first on PYTHONPATH, so every "

@@ -427,9 +427,13 @@ def inspect_skipped_step(cls: type, version: str) -> Decision:
         return Decision("upstream-fixed", f"DeepSpeed {version}: {name} is already the fixed form", methods)
     if found == PATCHABLE and step_known:
         releases = UNFIXED[witness][fingerprint(step)]
-        return Decision(
-            "applied", f"DeepSpeed {version}: step() and {name} match the form of DeepSpeed "
-            f"{_releases_text(releases)}, whose skipped steps keep their gradient", methods, {name: replacement})
+        form = (f"step() and {name} match the form of DeepSpeed {_releases_text(releases)}, whose skipped steps keep "
+                "their gradient")
+        if newer_than_tested(version):
+            reason = f"DeepSpeed {version} is newer than the releases tested ({FIRST} to {LAST}); its {form}"
+        else:
+            reason = f"DeepSpeed {version}: {form}"
+        return Decision("applied", reason, methods, {name: replacement})
     problem = probe_skipped_step(cls)
     if problem is None:
         return Decision(

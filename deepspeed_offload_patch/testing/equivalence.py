@@ -195,7 +195,8 @@ def overflow_sticks(run: Run, result: Optional[Sequence[Dict[str, Any]]] = None)
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     separate = run.grad_accum_dtype == "fp32" and run.precision != "fp32"
-    if not (separate and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")):
+    if not (separate and run.skips_bad_steps
+            and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer")):
         return False
     if result is None:
         return True

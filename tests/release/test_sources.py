@@ -56,3 +56,25 @@ def test_a_wrong_diff_fails_the_check(tmp_path, tamper):
     diff.write_text(text)
     code, output = script("make_patches.py", "--check", "--patches", str(patches))
     assert code == 1 and diff.name in output, output
+
+
+def test_the_upstream_report_s_diff_applies_to_0_19_8_and_is_the_package_s_change(tmp_path):
+    """``docs/upstream/skipped-step.md``, written for DeepSpeed's maintainers, carries the skipped-step fix's diff
+    without the package's comment line: it applies to 0.19.8's file and adds the same lines otherwise."""
+    import re
+    import subprocess
+    import tarfile
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    from sdists import sdist_path
+    text = open(os.path.join(ROOT, "docs", "upstream", "skipped-step.md")).read()
+    diff = re.search(r"```diff\n(.*?)```", text, re.S).group(1)
+    target = tmp_path / "deepspeed" / "runtime" / "zero" / "stage_1_and_2.py"
+    target.parent.mkdir(parents=True)
+    with tarfile.open(sdist_path(SDISTS, "0.19.8")) as tar:
+        target.write_bytes(tar.extractfile("deepspeed-0.19.8/deepspeed/runtime/zero/stage_1_and_2.py").read())
+    (tmp_path / "change.diff").write_text(diff)
+    done = subprocess.run(["git", "apply", "change.diff"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    shipped = open(os.path.join(ROOT, "patches", "skipped-step-buffer", "stage_1_and_2-0.19.8.diff")).read()
+    added = [line for line in shipped.splitlines() if line.startswith("+ ") and "# The form of" not in line]
+    assert added == [line for line in diff.splitlines() if line.startswith("+ ")]

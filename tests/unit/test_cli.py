@@ -64,10 +64,15 @@ def test_status_json_is_stable():
     status = json.loads(result.stdout)
     assert set(status) == {
         "package_version", "python", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device",
-        "grad_norm_reason"
+        "grad_norm_reason", "skipped_step", "skipped_step_reason"
     }
     assert status["state"] == "applied", status
-    assert status["methods"] == {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
+    fix = {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
+    skipped_step = {
+        "reset_cpu_buffers": "patchable",
+        "step": "patchable"
+    } if status["skipped_step"] == "applied" else {}
+    assert status["methods"] == {**fix, **skipped_step}, status
 
 
 def test_status_is_readable():

@@ -242,3 +242,13 @@ def test_check_fails_when_the_fix_cannot_apply_and_strict_mode_raises(tmp_path):
     verify = run_command(CLI + ["verify"], env=env)
     assert verify.returncode == 1, verify
     assert "FAIL: with fp32 gradient accumulation, the step after a skipped one did not update" in verify.stdout, verify
+
+
+def test_the_upstream_reproducer_applies_the_same_change():
+    """``docs/upstream/repro_skipped_step.py`` carries the change itself, to stay self-contained for DeepSpeed's
+    maintainers: it must be the package's replacement (the same fingerprint: code, not comments)."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                        "upstream", "repro_skipped_step.py")
+    digests = source_digest.module_digests(path)
+    assert digests["fixed_reset_cpu_buffers"] == guard.fingerprint(skipped_step.reset_cpu_buffers)

@@ -1,0 +1,103 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""``ds-offload-patch affected CONFIG``: which defects a job has, from its DeepSpeed config, and whether the package
+fixes each here. The configs in ``configs/`` have the shapes users pass: the upstream report's (ZeRO-1, CPU offload,
+bf16, fp32 gradient accumulation), HF Trainer's ZeRO-2 offload config with its ``"auto"`` values, and the one
+Accelerate's DeepSpeed plugin writes for ZeRO-2 with optimizer offload (its ``steps_per_print`` is infinite)."""
+
+import json
+import os
+
+import pytest
+
+from deepspeed_offload_patch.affected import findings, read_job
+from deepspeed_offload_patch.patcher import PatchStatus
+from unit.common import run_command
+from unit.test_cli import CLI
+
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+UPSTREAM = os.path.join(CONFIGS, "upstream_report.json")
+HF = os.path.join(CONFIGS, "hf_trainer_zero2_offload.json")
+ACCELERATE = os.path.join(CONFIGS, "accelerate_generated_zero2_offload.json")
+
+
+def _config(path, **changes):
+    with open(path) as f:
+        config = json.load(f)
+    for dotted, value in changes.items():
+        where = config
+        *parents, last = dotted.split("__")
+        for key in parents:
+            where = where.setdefault(key, {})
+        where[last] = value
+    return config
+
+
+def _status(state="applied", skipped_step="applied", grad_norm="off", version="0.19.8"):
+    return PatchStatus(state, version, "", {}, grad_norm, "", skipped_step, "")
+
+
+def _verdicts(config, status):
+    return {f.defect: (f.affected, f.fixed) for f in findings(read_job(config), status)}
+
+
+def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
+    assert _verdicts(_config(UPSTREAM), _status()) == {
+        "host-sync": ("yes", "yes"),
+        "skipped-step": ("yes", "yes"),
+        "step-reads": ("yes", "opt-in"),
+    }
+    # Unpatched, or with the skipped-step fix off, the defects stay.
+    assert _verdicts(_config(UPSTREAM), _status("disabled", "off"))["skipped-step"] == ("yes", "no")
+    assert _verdicts(_config(UPSTREAM), _status("applied", "off"))["host-sync"] == ("yes", "yes")
+    # On DeepSpeed 0.19.7 there is no compact buffer: no freeze.
+    assert _verdicts(_config(UPSTREAM), _status(skipped_step="not-needed",
+                                                version="0.19.7"))["skipped-step"][0] == "no"
+
+
+def test_hf_trainer_s_auto_precision_is_a_maybe_where_it_decides():
+    job = read_job(_config(HF))
+    assert (job.stage, job.offload, job.precision) == (2, "cpu", "auto")
+    assert _verdicts(_config(HF), _status())["skipped-step"] == ("no", "-")  # accumulation in the precision's dtype
+    with_fp32 = _config(HF, data_types__grad_accum_dtype="fp32")
+    assert _verdicts(with_fp32, _status())["skipped-step"] == ("maybe", "yes")
+    assert _verdicts(with_fp32, _status("disabled", "off"))["skipped-step"] == ("maybe", "no")
+
+
+def test_jobs_without_zero_1_2_offload_or_with_a_check_that_never_skips_are_not_affected():
+    no_offload = _config(ACCELERATE, zero_optimization__offload_optimizer__device="none")
+    assert {v[0] for v in _verdicts(no_offload, _status("disabled", "off")).values()} == {"no"}
+    zero3 = _config(UPSTREAM, zero_optimization__stage=3)
+    assert {v[0] for v in _verdicts(zero3, _status("disabled", "off")).values()} == {"no"}
+    check_off = _config(UPSTREAM, bf16__check_grad_overflow=False)
+    assert _verdicts(check_off, _status("disabled", "off"))["skipped-step"][0] == "no"
+    fp16 = _config(UPSTREAM, bf16__enabled=False, fp16__enabled=True)
+    assert _verdicts(fp16, _status("disabled", "off"))["skipped-step"] == ("yes", "no")
+
+
+def test_upstream_s_own_fix_means_not_affected():
+    verdicts = _verdicts(_config(UPSTREAM), _status("upstream-fixed", "upstream-fixed", version="0.20.0"))
+    assert verdicts["host-sync"][0] == "no" and verdicts["skipped-step"][0] == "no"
+
+
+@pytest.mark.parametrize("env, code", [({}, 0), ({
+    "DS_OFFLOAD_PATCH_SKIPPED_STEP": "0"
+}, 1), ({
+    "DS_OFFLOAD_PATCH_DISABLE": "1"
+}, 1)])
+def test_the_command_s_exit_code_is_a_gate(env, code):
+    """On the installed DeepSpeed: 0 only when every defect the job has is fixed here by default."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if not hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer") and env:
+        code = 1 if "DS_OFFLOAD_PATCH_DISABLE" in env else 0  # before 0.19.8: no freeze to fix
+    result = run_command(CLI + ["affected", "--json", UPSTREAM], env=env)
+    assert result.returncode == code, result
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["exit"] == code and report["job"]["grad_accum_dtype"] == "fp32", report
+
+
+def test_an_unreadable_config_exits_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    result = run_command(CLI + ["affected", str(bad)])
+    assert result.returncode == 2 and "cannot read" in result.stdout, result
