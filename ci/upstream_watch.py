@@ -19,6 +19,8 @@ import sys
 from typing import Dict, List, Tuple
 
 GOOD = ("applied", "upstream-fixed")
+# The skipped-step fix (on by default) where it is in effect or not needed; "off" only by the environment's choice.
+SKIPPED_STEP_GOOD = ("applied", "upstream-fixed", "not-needed", "off")
 TEMPLATE = "ci/templates/upstream-watch.yml"
 
 
@@ -74,13 +76,18 @@ def main() -> int:
     if state not in GOOD:
         new = fingerprints(found.get("methods", {}))
         problems.append(f"state {state}: {found['reason']}" + (f"; new forms: {', '.join(new)}" if new else ""))
+    skipped_step = found.get("skipped_step", "off")
+    if skipped_step not in SKIPPED_STEP_GOOD:
+        problems.append(f"the skipped-step fix {skipped_step}: {found.get('skipped_step_reason', '')}")
+    else:
+        state += f", the skipped-step fix {skipped_step}"
     code, verified = verify()
     if code != 0:
         problems.append(f"verify failed: {verified.splitlines()[-1] if verified else code}")
     if problems:
         line = f"upstream watch: FAIL: DeepSpeed {version}: " + "; ".join(problems)
     else:
-        line = f"upstream watch: OK: DeepSpeed {version} is {state}, verify passes"
+        line = f"upstream watch: OK: DeepSpeed {version} is {state}; verify passes"
     print(line)
     if args.report:
         with open(args.report, "w") as f:
