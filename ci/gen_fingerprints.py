@@ -15,6 +15,7 @@ the interpreter: any Python the package supports writes the same file (``tests/r
 
 import argparse
 import ast
+import functools
 import os
 import pprint
 import runpy
@@ -46,17 +47,27 @@ by hand. The digests are :func:`deepspeed_offload_patch.source_digest.digest_sou
 '''
 
 
+@functools.lru_cache(maxsize=None)
 def read_target(sdist: str, version: str) -> str:
-    """The text of ``stage_1_and_2.py`` in one sdist."""
+    """The text of ``stage_1_and_2.py`` in one sdist (read once per process: the checks read each release often)."""
+    wanted = f"deepspeed-{version}/{TARGET}"
     with tarfile.open(sdist) as tar:
-        member = tar.getmember(f"deepspeed-{version}/{TARGET}")
-        return tar.extractfile(member).read().decode()
+        # Stop at the member instead of indexing the whole archive (getmember), which is most of the time here.
+        for member in tar:
+            if member.name == wanted:
+                return tar.extractfile(member).read().decode()
+    raise KeyError(f"{sdist} has no {wanted}")
+
+
+@functools.lru_cache(maxsize=256)
+def _class_node(source: str, class_name: str) -> ast.ClassDef:
+    return next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
 
 
 def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZeroOptimizer") -> dict:
     """The source text of each method of ``names`` in ``class_name``, as ``inspect.getsource`` would give it."""
     lines = source.splitlines(keepends=True)
-    cls = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    cls = _class_node(source, class_name)
     found = {}
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name in names:

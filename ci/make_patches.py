@@ -7,14 +7,17 @@ supported release, it replaces the set's methods in the release's own file (from
 replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
 applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
 (release -> diff) and ``README.md``. ``--check`` writes nothing and exits 1 when ``patches/`` differs from what the
-sources give, when a diff does not apply to one of its releases, or when a patched file's methods are not equal
-(AST) to the package's replacements.
+sources give, when a diff does not apply to one of its releases, when a patched file's methods are not equal
+(AST) to the package's replacements, or when they use a global name that the release's module does not define (the
+replacements run in the package's module, with its imports; in DeepSpeed's file they have only that file's, so AST
+equality alone would not show that the diffed file runs).
 
     python ci/make_patches.py [--sdists CACHE] [--check]
 """
 
 import argparse
 import ast
+import builtins
 import difflib
 import inspect
 import json
@@ -107,6 +110,46 @@ def methods_equal_replacements(original: str, patched_source: str, patch_set) ->
         for name, text in method_sources(patched_source, patch_set.methods).items()
     }
     return found == chosen
+
+
+def _bound(node: ast.AST) -> set:
+    """The names ``node`` binds anywhere inside it: arguments, assignments, imports, loop and ``with`` targets,
+    nested functions and classes, ``except ... as``."""
+    names = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.arg):
+            names.add(child.arg)
+        elif isinstance(child, ast.Name) and isinstance(child.ctx, (ast.Store, ast.Del)):
+            names.add(child.id)
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(child.name)
+        elif isinstance(child, ast.alias):
+            names.add((child.asname or child.name).split(".")[0])
+        elif isinstance(child, ast.ExceptHandler) and child.name:
+            names.add(child.name)
+    return names
+
+
+def unresolved_globals(patched_source: str, methods) -> dict:
+    """For each of ``methods`` of ``DeepSpeedZeroOptimizer`` in ``patched_source``: the names it reads that neither
+    it binds nor the module defines at its top level nor Python builtins (names a run of that file would miss)."""
+    tree = ast.parse(patched_source)
+    module = set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            module.add(node.name)
+        elif not isinstance(node, ast.ClassDef):
+            module |= _bound(node)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
+    found = {}
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name in methods:
+            local = _bound(node)
+            loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            missing = sorted(loads - local - module)
+            if missing:
+                found[node.name] = missing
+    return found
 
 
 def build(sdists: str, patch_set):
@@ -214,6 +257,9 @@ def main() -> int:
                 problems.append(f"{name} does not apply to {version}")
             elif not methods_equal_replacements(original, after, patch_set):
                 problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
+            elif unresolved_globals(after, patch_set.methods):
+                problems.append(f"{name} on {version}: the patched methods use names the release's module does not "
+                                f"define: {unresolved_globals(after, patch_set.methods)}")
     files[os.path.join(args.patches, "README.md")] = readme(indexes)
 
     if args.check:

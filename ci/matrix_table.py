@@ -1,7 +1,8 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table, and
-those of the layout and stack sessions (``reports/layouts/*.json``: ``scale`` and ``stacks``) as a second one.
+"""Print the DeepSpeed matrix's last results (``reports/matrix/*.json``, written by ``ci/noxfile.py``) as a table,
+those of the layout and stack sessions (``reports/layouts/*.json``: ``scale`` and ``stacks``) as a second one, and the
+``states`` session's (``reports/states.json``: each change's state on every release) as a third.
 
     python ci/matrix_table.py             # print
     python ci/matrix_table.py --readme    # also write them into ci/README.md between their markers
@@ -24,6 +25,8 @@ REPORTS = os.path.join(ROOT, "reports", "matrix")
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 LAYOUTS = os.path.join(ROOT, "reports", "layouts")
 LAYOUTS_START, LAYOUTS_END = "<!-- layouts:start -->", "<!-- layouts:end -->"
+STATES = os.path.join(ROOT, "reports", "states.json")
+STATES_START, STATES_END = "<!-- states:start -->", "<!-- states:end -->"
 
 
 def load() -> list:
@@ -159,6 +162,29 @@ def render_layouts(results: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_states(found: dict) -> str:
+    """Consecutive releases with the same states (and torch) as one row: ``first – last``."""
+    rows = []
+    for version, r in found["releases"].items():
+        ok = (r["state"], r["skipped_step"]) == (r["expected"], r["skipped_step_expected"])
+        key = (r["state"], r["skipped_step"], r.get("grad_norm"), r["torch"], ok)
+        if rows and rows[-1][0] == key:
+            rows[-1][1].append(version)
+        else:
+            rows.append((key, [version]))
+    lines = [
+        f"Python {found['python']}, commit {found['commit']}; not run on the CPU: {', '.join(found['not_on_cpu'])} "
+        "(its methods are 0.14.1's: the fingerprints).", "",
+        "| DeepSpeed | releases | torch | the sync fix | the skipped-step fix | on-device grad norm (opt-in) | as expected |",
+        "| --- | --- | --- | --- | --- | --- | --- |"
+    ]
+    for (state, skipped, grad_norm, torch, ok), versions in rows:
+        span = versions[0] if len(versions) == 1 else f"{versions[0]} – {versions[-1]}"
+        lines.append(f"| {span} | {len(versions)} | {torch} | {state} | {skipped} | {grad_norm} | "
+                     f"{'yes' if ok else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def _write_between(path: str, start: str, end: str, table: str) -> None:
     with open(path) as f:
         text = f.read()
@@ -192,6 +218,9 @@ def main() -> int:
     print(table)
     layouts = load_layouts()
     print(render_layouts(layouts))
+    if os.path.exists(STATES):
+        with open(STATES) as f:
+            print(render_states(json.load(f)))
     if args.readme:
         path = os.path.join(ROOT, "ci", "README.md")
         with open(path) as f:
@@ -200,6 +229,9 @@ def main() -> int:
         table = render(results, kept_rows(old, rerun))
         _write_between(path, START, END, table)
         _write_between(path, LAYOUTS_START, LAYOUTS_END, render_layouts(layouts))
+        if os.path.exists(STATES):
+            with open(STATES) as f:
+                _write_between(path, STATES_START, STATES_END, render_states(json.load(f)))
     # A release by its version; a variant build by its kind (the last part of "0.19.8 sdist, <kind>"); either with
     # "@X.Y" for the result on that Python.
     by_release = {}

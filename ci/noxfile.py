@@ -7,8 +7,8 @@
     nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite] [stacks]
     nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
-    nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core variants   # CI's steps on the floor Python, in one virtualenv
-    nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:lite 0.19.6:lite,stacks   # ... and on the newest
+    nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
+    nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:lite,no-diff 0.19.6:smoke,no-diff,stacks   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
     nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
@@ -50,8 +50,9 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(path)
 
 # One release per form of the methods (patches/ has one diff per form): the last of the 0.14.0-0.17.0 form, the first
 # of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check returns fp32) and the latest (0.19.7+: bool).
-# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 and 0.19.6 and the first three variants with "lite";
-# not 0.19.8, whose whole suite and red/green run ci/test.sh already ran in the checkout's own venv.
+# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 and two of the variants with "lite", 0.19.6 with "smoke"
+# and the training stacks; not 0.19.8, whose whole suite and red/green run ci/test.sh already ran in the checkout's
+# own venv. None runs its diffs in CI (no-diff): test_sources.py checks them statically on every release.
 REPRESENTATIVE = ("0.16.9", "0.17.1", "0.19.6", "0.19.8")
 CI_RELEASES = ("0.16.9", "0.17.1", "0.19.6")
 # Releases whose ZeRO suite also runs with the patch disabled (ci/check_red_green.py): the per-parameter form (ci/test.sh
@@ -165,8 +166,10 @@ def release(session: nox.Session, deepspeed: str) -> None:
     The mechanics suite (``tests/unit`` outside ``v1/zero``) is written for the current form of DeepSpeed's methods
     (0.17.1 and later); releases 0.14.0 - 0.17.0 run the ZeRO suite, ``tests/unit/test_guard.py``, ``check`` and
     ``verify``, as ``core`` does. With ``stacks`` among the arguments, ``tests/stacks`` too (see :func:`stacks`);
-    with ``no-diff``, not the run on the release's diffs (CI's ``lite`` steps: ``tests/release/test_sources.py`` has
-    checked that they apply and equal the monkey-patch; 0.16.9's ``core`` step and the on-demand matrix run them).
+    with ``smoke``, only ``check``, ``verify`` and the boundary-backward sync tests (CI's 0.19.6 step, whose training
+    stacks then run the patch end to end); with ``no-diff``, not the run on the release's diffs (CI's steps:
+    ``tests/release/test_sources.py`` has checked that they apply, equal the monkey-patch and read only names their
+    module defines; the on-demand matrix runs them).
     """
     _release(session, deepspeed, session.posargs)
 
@@ -179,7 +182,9 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     result = {"release": deepspeed, "state": status["state"], "expected": "applied"}
     result.update(skipped_step=status["skipped_step"], skipped_step_expected=skipped_step_expected(deepspeed))
     result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
-    if "lite" in profiles:
+    if "smoke" in profiles:
+        result.update(_smoke(session, deepspeed))
+    elif "lite" in profiles:
         result.update(_lite(session, deepspeed))
     else:
         core = "core" in profiles or Version(deepspeed) < Version("0.17.1")
@@ -194,7 +199,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
 @nox.session(python=[FLOOR, NEWEST])
 def ci(session: nox.Session) -> None:
     """CI's part of the matrix in one virtualenv per Python, so that torch and the tools are installed once: each
-    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core``, ``0.19.6:lite,no-diff,stacks``) or ``variants``;
+    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core,no-diff``, ``0.19.6:smoke,no-diff,stacks``) or ``variants``;
     each release is installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The
     results are those of the ``release``, ``stacks`` and ``variants`` sessions. ``ci-3.10`` and ``ci-3.13`` run on
     the oldest and the newest supported Python, so that every landing proves both (``ci/test.sh`` runs on the
@@ -547,6 +552,48 @@ def matrix(session: nox.Session) -> None:
     session.notify("table")
 
 
+STATES = os.path.join(ROOT, "reports", "states.json")
+
+
+@nox.session
+def states(session: nox.Session) -> None:
+    """The state of each change on every supported release, read by ``status --json`` with nothing else run: each
+    PyPI release installed in turn into one virtualenv (those of ``OLDER_TORCH`` last, on their torch). The sync fix
+    must read ``applied``, the skipped-step fix ``not-needed`` before 0.19.8 and ``applied`` from it on (the variants
+    session shows ``upstream-fixed`` on a build with upstream's own fix). Writes ``reports/states.json``; fails on any
+    other state. About 15 s a release (the install)."""
+    session.chdir(ROOT)
+    found = {}
+    order = [v for v in PATCHED_RELEASES if v not in NOT_ON_CPU and v not in OLDER_TORCH] + list(OLDER_TORCH)
+    current_torch = None
+    for version in order:
+        torch = OLDER_TORCH.get(version, ("torch==2.13.0", ))
+        if torch != current_torch:
+            _install_torch(session, *torch)
+            current_torch = torch
+        session.install(f"deepspeed=={version}", "packaging")
+        if not found:
+            session.install("--no-deps", "--force-reinstall", ROOT)
+        status = _status(session, env=CLEAN)
+        found[version] = {
+            "state": status["state"],
+            "expected": "applied",
+            "skipped_step": status["skipped_step"],
+            "skipped_step_expected": skipped_step_expected(version),
+            "grad_norm": status.get("grad_norm_on_device"),
+            "torch": torch[0].split("==")[1],
+        }
+        session.log(f"DeepSpeed {version}: {found[version]}")
+    result = {"python": _python(session), "commit": _commit(), "not_on_cpu": list(NOT_ON_CPU), "releases": found}
+    with open(STATES, "w") as f:
+        json.dump(result, f, indent=2)
+    wrong = [
+        v for v, r in found.items() if (r["state"], r["skipped_step"]) != (r["expected"], r["skipped_step_expected"])
+    ]
+    if wrong:
+        session.error(f"unexpected states: {', '.join(wrong)}")
+
+
 @nox.session(python=False)
 def table(session: nox.Session) -> None:
     session.run(sys.executable, os.path.join(ROOT, "ci", "matrix_table.py"))
@@ -582,7 +629,7 @@ def stacks(session: nox.Session, deepspeed: str) -> None:
     users launch them, unpatched, under ``ds-offload-patch run`` and with a plain import (``tests/stacks``): no host
     sync in any boundary backward and bit-identical training; then the patched tests again with the patch disabled,
     which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs this on 0.19.6, after its ``lite``
-    run: ``nox -s ci -- 0.19.6:lite,stacks``.)"""
+    run: ``nox -s ci-3.13 -- 0.19.6:smoke,no-diff,stacks``.)"""
     _install(session, deepspeed)
     _stacks(session, deepspeed)
 

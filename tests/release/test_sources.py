@@ -58,6 +58,18 @@ def test_a_wrong_diff_fails_the_check(tmp_path, tamper):
     assert code == 1 and diff.name in output, output
 
 
+def test_a_patched_method_that_reads_a_name_its_module_lacks_is_caught():
+    """The check behind "the diffed file runs": names a method reads must be its own, the module's or builtins."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    from make_patches import unresolved_globals
+    source = (
+        "import torch\nfrom x import y as z\nLIMIT = 1\n\n\nclass DeepSpeedZeroOptimizer:\n\n"
+        "    def has_overflow(self, grads):\n        for g in grads:\n            total = torch.zeros(1) + z(g)\n"
+        "        return bool(total > LIMIT) or on_device(total) or len([])\n")
+    assert unresolved_globals(source, ["has_overflow"]) == {"has_overflow": ["on_device"]}
+    assert unresolved_globals(source.replace("on_device(total)", "total"), ["has_overflow"]) == {}
+
+
 def test_the_upstream_report_s_diff_applies_to_0_19_8_and_is_the_package_s_change(tmp_path):
     """``docs/upstream/skipped-step.md``, written for DeepSpeed's maintainers, carries the skipped-step fix's diff
     without the package's comment line: it applies to 0.19.8's file and adds the same lines otherwise."""

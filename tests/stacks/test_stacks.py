@@ -17,7 +17,9 @@ Each patched run (they follow ``DS_OFFLOAD_PATCH_DISABLE``: the red/green run of
 failing without the patch) must report on every rank: state ``applied``, both of the fix's methods from
 ``deepspeed_offload_patch.overflow``, 0 host syncs in every boundary backward, and the losses and parameter digests
 of every step bit-identical to the reference's (the runs are deterministic on the CPU). So the patch reaches the
-ranks each launcher starts, removes the syncs there, and changes nothing else of the training.
+ranks each launcher starts, removes the syncs there, and changes nothing else of the training. And the configs HF
+Trainer and Accelerate generate for such a job (``ci/gen_configs.py``) read as affected and fixed in ``ds-offload-patch
+affected``.
 
 The measurements (syncs per boundary backward per rank, wall time per launch, what failed) go to
 ``reports/stacks/stacks-<deepspeed version>.json`` (or ``$DS_STACK_REPORT``).
@@ -269,3 +271,21 @@ def test_patched_has_no_boundary_sync_and_trains_identically(stack: str, mode: s
                 problems.append(f"rank {rank} step {step}: parameters differ from the reference's")
     _set_outcome(stack, mode, problems)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.fails_unpatched
+def test_the_configs_the_libraries_generate_are_affected_and_fixed() -> None:
+    """The HF Trainer and Accelerate configs in ``tests/unit/configs`` are what the installed transformers and
+    accelerate generate (``ci/gen_configs.py --check``), and ``ds-offload-patch affected`` on each says the job has
+    the host syncs and exits 0: every defect it has is fixed by default here. Follows ``DS_OFFLOAD_PATCH_DISABLE``:
+    disabled, ``affected`` exits 1."""
+    _needs("accelerate")
+    result = run_command([sys.executable, os.path.join(ROOT, "ci", "gen_configs.py"), "--check"], cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    configs = os.path.join(ROOT, "tests", "unit", "configs")
+    for name in ("hf_trainer_generated_zero2_offload.json", "accelerate_generated_zero2_offload.json"):
+        result = run_command([os.path.join(BIN, "ds-offload-patch"), "affected",
+                              os.path.join(configs, name)],
+                             env={"DS_OFFLOAD_PATCH_DISABLE": os.environ.get("DS_OFFLOAD_PATCH_DISABLE", "0")})
+        assert "a host sync per gradient in each boundary backward: affected" in result.stdout, result.stdout
+        assert result.returncode == 0, f"{name}: exit {result.returncode}\n{result.stdout}{result.stderr}"

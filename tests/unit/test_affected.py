@@ -1,9 +1,12 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 """``ds-offload-patch affected CONFIG``: which defects a job has, from its DeepSpeed config, and whether the package
-fixes each here. The configs in ``configs/`` have the shapes users pass: the upstream report's (ZeRO-1, CPU offload,
-bf16, fp32 gradient accumulation), HF Trainer's ZeRO-2 offload config with its ``"auto"`` values, and the one
-Accelerate's DeepSpeed plugin writes for ZeRO-2 with optimizer offload (its ``steps_per_print`` is infinite)."""
+fixes each here. The configs in ``configs/`` are the ones users pass or their libraries generate: the upstream report's
+(ZeRO-1, CPU offload, bf16, fp32 gradient accumulation), the ZeRO-2 offload file in the shape of HF's DeepSpeed guide
+with its ``"auto"`` values, and, written by ``ci/gen_configs.py`` with the transformers and accelerate of
+``generated-with.json``, what HF Trainer makes of that file and what Accelerate generates for ``accelerate launch
+--use_deepspeed --zero_stage 2 --offload_optimizer_device cpu --mixed_precision bf16`` (its ``steps_per_print`` is
+infinite). ``tests/stacks/test_stacks.py`` checks that those two are what the libraries generate."""
 
 import json
 import os
@@ -19,6 +22,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 UPSTREAM = os.path.join(CONFIGS, "upstream_report.json")
 HF = os.path.join(CONFIGS, "hf_trainer_zero2_offload.json")
 ACCELERATE = os.path.join(CONFIGS, "accelerate_generated_zero2_offload.json")
+HF_GENERATED = os.path.join(CONFIGS, "hf_trainer_generated_zero2_offload.json")
 
 
 def _config(path, **changes):
@@ -62,6 +66,21 @@ def test_hf_trainer_s_auto_precision_is_a_maybe_where_it_decides():
     with_fp32 = _config(HF, data_types__grad_accum_dtype="fp32")
     assert _verdicts(with_fp32, _status())["skipped-step"] == ("maybe", "yes")
     assert _verdicts(with_fp32, _status("disabled", "off"))["skipped-step"] == ("maybe", "no")
+
+
+@pytest.mark.parametrize("path", [HF_GENERATED, ACCELERATE], ids=["hf-trainer", "accelerate"])
+def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
+    """bf16 resolved from ``"auto"`` or the launcher's flag, ZeRO-2, CPU offload: the host syncs and the step's reads,
+    no freeze (accumulation in bf16) unless the job asks for fp32 accumulation."""
+    job = read_job(_config(path))
+    assert (job.stage, job.offload, job.precision, job.grad_accum_dtype) == (2, "cpu", "bf16", None), job
+    assert _verdicts(_config(path), _status()) == {
+        "host-sync": ("yes", "yes"),
+        "skipped-step": ("no", "-"),
+        "step-reads": ("yes", "opt-in"),
+    }
+    assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
+    assert _verdicts(_config(path, data_types__grad_accum_dtype="fp32"), _status())["skipped-step"] == ("yes", "yes")
 
 
 def test_jobs_without_zero_1_2_offload_or_with_a_check_that_never_skips_are_not_affected():

@@ -76,3 +76,27 @@ def test_a_layout_session_passes_only_with_its_red_green_run():
     assert not matrix_table.layout_passed(_layout(red_green="FAIL"))
     row = matrix_table.render_layouts([_layout()]).splitlines()[-1]
     assert "| scale | 3.11 | 3/3 passed | pass | 2dp-2mp 7 → 0 (2 s) |" in row and row.endswith("| pass | a |"), row
+
+
+def test_the_states_table_groups_releases_and_flags_a_wrong_state():
+    release = dict(state="applied",
+                   expected="applied",
+                   skipped_step="not-needed",
+                   skipped_step_expected="not-needed",
+                   grad_norm="off",
+                   torch="2.13.0")
+    found = {
+        "python": "3.11.7",
+        "commit": "a",
+        "not_on_cpu": ["0.14.0"],
+        "releases": {
+            "0.19.6": release,
+            "0.19.7": release,
+            "0.19.8": dict(release, skipped_step="applied", skipped_step_expected="applied"),
+            "0.19.9": dict(release, skipped_step="not-needed", skipped_step_expected="applied"),
+        }
+    }
+    rows = [line.split("|")[1:-1] for line in matrix_table.render_states(found).splitlines() if line[:3] == "| 0"]
+    assert [(row[0].strip(), row[4].strip(), row[-1].strip())
+            for row in rows] == [("0.19.6 – 0.19.7", "not-needed", "yes"), ("0.19.8", "applied", "yes"),
+                                 ("0.19.9", "not-needed", "NO")]

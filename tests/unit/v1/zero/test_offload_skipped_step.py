@@ -12,7 +12,9 @@ trains the same bits as unpatched DeepSpeed (``test_the_oracle_is_sound``); with
 The package (``CURRENT``: the red/green run disables it) must train every run here bit-identically to its oracle,
 every rank, every step: parameters, fp32 master partitions, skipped steps, ``optimizer.overflow``, the loss scale.
 Unpatched DeepSpeed, and the package with only the upstream change (``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1``), keep
-skipping. A checkpoint saved right after a skipped step resumes as the run that was never interrupted.
+skipping. The same holds in the 4-rank layouts of ``test_offload_scale.py`` (2 data-parallel x 2 model-parallel with
+a Megatron-shaped ``mpu``, and MoE with expert parallelism 2, a fault in an expert's gradient). A checkpoint saved
+right after a skipped step resumes as the run that was never interrupted.
 
 Not collected on releases without the compact buffer (before 0.19.8): there the package reports the fix
 ``not-needed`` (``tests/unit/test_skipped_step.py``).
@@ -62,6 +64,37 @@ SAVED = Run("s2-bf16-saved-after-the-skip",
             grad_accum_dtype=FP32,
             save_after=2,
             faults=(Fault(1, "inf"), ))
+
+# The 4-rank layouts, each in processes of its own (DeepSpeed keeps an engine's ``mpu`` in a module global): a fault on
+# the last rank of the second model-parallel group at ZeRO-1 bf16, and one in an expert's gradient at ZeRO-2 fp16.
+LAYOUTS = (
+    Run("2dp-2mp-s1-bf16",
+        stage=1,
+        grad_accum=2,
+        steps=4,
+        grad_accum_dtype=FP32,
+        world_size=4,
+        model_parallel=2,
+        faults=(Fault(1, "inf", rank=3, param=3), )),
+    Run("moe-ep2-s2-fp16",
+        stage=2,
+        grad_accum=2,
+        steps=4,
+        precision="fp16",
+        grad_accum_dtype=FP32,
+        world_size=4,
+        model="moe",
+        faults=(Fault(1, "inf", rank=1, param=13), )),  # 13: this rank's expert weight (test_offload_scale.py)
+)
+
+_layouts = {}
+
+
+def _layout(run: Run, side: str) -> list:
+    """``run`` on ``side``, once per module (the red/green run needs only the current side: it fails there first)."""
+    if (run.name, side) not in _layouts:
+        _layouts[(run.name, side)] = run_side(side, [run])
+    return _layouts[(run.name, side)]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +149,25 @@ def test_upstream_only_leaves_exactly_the_upstream_change(sides):
     assert upstream[0]["state"] == "applied" and upstream[0]["skipped_step"] == "off", upstream[0]["skipped_step"]
     found = differences(upstream, sides[UNPATCHED], run.name)
     assert not found, "\n".join(found[:10])
+
+
+@pytest.mark.fails_unpatched
+@pytest.mark.parametrize("run", LAYOUTS, ids=lambda run: run.name)
+def test_the_layouts_skip_only_the_faulty_step(run):
+    """4 ranks: bit-identical to the oracle on every rank, and the step after the fault updates on every rank."""
+    current = _layout(run, CURRENT)
+    assert len(current) == 4 and current[0]["skipped_step"] == "applied", current[0]["skipped_step"]
+    problems = fault_problems(run, current) + differences(current, _layout(run, reference_side(run)), run.name)
+    assert not problems, "\n".join(problems[:10])
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("run", LAYOUTS, ids=lambda run: run.name)
+def test_unpatched_layouts_keep_skipping(run):
+    """Unpatched, every rank of the layout skips every step from the fault on."""
+    for number, rank in enumerate(run_side(UNPATCHED, [run])):
+        skipped = [step["skipped"] for step in rank["runs"][run.name]["steps"]]
+        assert skipped[-1] == run.steps - run.faults[0].step, f"rank {number}: skipped counts {skipped}"
 
 
 @pytest.mark.fails_unpatched
