@@ -49,11 +49,12 @@ def disabled() -> bool:
 
 
 def strict() -> bool:
-    return flag(STRICT)
+    """An odd value reads as 0: a patch that cannot apply warns (training goes on) rather than raising."""
+    return flag(STRICT, odd_means="not strict: a patch that cannot apply warns instead of raising")
 
 
 def grad_norm() -> bool:
-    return flag(GRAD_NORM) and not upstream_only()
+    return flag(GRAD_NORM, odd_means="so the on-device gradient norm stays off") and not upstream_only()
 
 
 def upstream_only() -> bool:
@@ -71,4 +72,4 @@ def skipped_step() -> bool:
 def auto() -> bool:
     """Whether importing the package patches: on when ``DS_OFFLOAD_PATCH_AUTO`` is unset or true; any other value
     than true or false warns and reads as 0 (the import patches nothing)."""
-    return flag(AUTO, odd=False, unset=True)
+    return flag(AUTO, odd=False, unset=True, odd_means="so importing the package patches nothing (apply() still does)")

@@ -129,10 +129,14 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
         DS_OFFLOAD_PATCH_DISABLE="1")
 
 
-@pytest.mark.parametrize("switch, state, after_apply", [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled"),
-                                                        ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied"),
-                                                        ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied")])
-def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch, state, after_apply):
+@pytest.mark.parametrize(
+    "switch, state, after_apply, means",
+    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "treating it as 1, which leaves DeepSpeed"),
+     ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "treating it as 0, so the on-device"),
+     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "treating it as 0, so importing the "
+      "package patches nothing"), ("DS_OFFLOAD_PATCH_STRICT", "applied", "applied", "treating it as 0, not strict")])
+def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, after_apply, means):
+    """The warning's reading is the one the package then follows (an odd STRICT patches, as 0 does)."""
     output = run(
         f"""
         import deepspeed_offload_patch as dop
@@ -146,7 +150,7 @@ def test_switch_with_odd_value_warns_once_and_leaves_deepspeed_untouched(switch,
             "complete_grad_norm_calculation_for_cpu_offload"][0][1]
     """, **{switch: "maybe"})
     lines = warnings_in(output)
-    assert len(lines) == 1 and f"{switch}='maybe' is neither 0 nor 1" in lines[0], output
+    assert len(lines) == 1 and f"{switch}='maybe' is neither 0 nor 1" in lines[0] and means in lines[0], output
 
 
 UNKNOWN_RELEASE = """
