@@ -165,7 +165,7 @@ def render_layouts(results: list) -> str:
 def render_states(found: dict) -> str:
     """Consecutive releases with the same states (and torch) as one row: ``first – last``."""
     rows = []
-    for version, r in found["releases"].items():
+    for version, r in sorted(found["releases"].items(), key=lambda item: Version(item[0])):
         ok = (r["state"], r["skipped_step"]) == (r["expected"], r["skipped_step_expected"])
         key = (r["state"], r["skipped_step"], r.get("grad_norm"), r["torch"], ok)
         if rows and rows[-1][0] == key:
