@@ -417,9 +417,7 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
     backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
     shutil.copy(path, backup)
     try:
-        options = [([], "fix")]
-        if Version(deepspeed) >= Version("0.17.1"):
-            options.append((["--grad-norm"], "grad-norm"))
+        options = [([], "fix"), (["--grad-norm"], "grad-norm")]
         if Version(deepspeed) >= Version("0.19.8"):
             options.append((["--skipped-step"], "skipped-step"))
         for option, name in options:
@@ -439,8 +437,7 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
         disabled = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_STRICT": "0"}
         enabled = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
         status = _status(session, env=enabled)
-        # Before 0.17.1 there is no grad norm opt-in: the package reports it unsupported there.
-        grad_norm_expected = "upstream-fixed" if Version(deepspeed) >= Version("0.17.1") else "unsupported"
+        grad_norm_expected = "upstream-fixed"
         return {
             "diff_skipped_step_state":
             status["skipped_step"],

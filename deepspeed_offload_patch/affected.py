@@ -13,7 +13,7 @@ by the Trainer at run time: where one decides a defect, the answer is ``maybe``.
   accumulation under bf16 with its overflow check on, or fp16; DeepSpeed 0.19.8, whose compact buffer keeps it).
   Fixed by the skipped-step fix.
 * ``step-reads``: ``step()`` reads one host value per owned gradient tensor (its norm; ZeRO-1/2 with offload).
-  Fixed only by the opt-in on-device gradient norm (DeepSpeed 0.17.1 and later), so it never fails the exit code.
+  Fixed only by the opt-in on-device gradient norm (DeepSpeed 0.14.0 and later), so it never fails the exit code.
 
 Exit code: 0 when the job has no defect that stays (none, or each fixed here by default), 1 when it has one (or
 may have one, with ``"auto"``), 2 when the config cannot be read.

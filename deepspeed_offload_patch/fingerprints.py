@@ -27,6 +27,9 @@ UNFIXED = {
          '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0')
     },
     'complete_grad_norm_calculation_for_cpu_offload': {
+        '88ca1bfdd6d39110':
+        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
+         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0'),
         'e6694539c119b786': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
                              '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
                              '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
@@ -43,6 +46,7 @@ UNFIXED = {
 #: reads all code differently, and the guard says so instead of blaming DeepSpeed.
 OWN = {
     'grad_norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',
+    'grad_norm.complete_grad_norm_returning_a_number': 'e00e658ea7a4855e',
     'overflow.has_overflow': '9bf46cded86d17ed',
     'overflow.has_overflow_dp_if_partitioned': 'ffba0699b62bdf14',
     'overflow.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',

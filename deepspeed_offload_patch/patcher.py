@@ -157,7 +157,7 @@ def _apply_set(cls: type, patch_set):
 def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchStatus:
     """Apply the fix, the skipped-step fix unless switched off, and the on-device grad norm if ``grad_norm``, to the
     loaded ZeRO module."""
-    from deepspeed_offload_patch.guard import GRAD_NORM, OVERFLOW_FLAG, SKIPPED_STEP, fix_for
+    from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP, fix_for
 
     skipped_step = settings.skipped_step()
     with _lock:
@@ -172,9 +172,7 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
             fix = _apply_set(cls, form)
             methods = dict(fix.methods)
             norm = None
-            if grad_norm and form is not OVERFLOW_FLAG:
-                norm = (UNSUPPORTED, f"the on-device grad norm is for DeepSpeed {GRAD_NORM.releases[2:]} and later")
-            elif grad_norm:
+            if grad_norm:
                 opt_in = _apply_set(cls, GRAD_NORM)
                 methods.update(opt_in.methods)
                 norm = (opt_in.state, opt_in.reason)
