@@ -106,6 +106,7 @@ UNPATCHED = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_GRAD_NORM": "0"}
 OPT_IN = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
 
 
+@pytest.mark.equivalence
 def test_training_with_clipping_is_bit_identical_to_unpatched():
     runs = {
         name: run_distributed(_train, 2, args=(24, 4), env=env)
