@@ -138,7 +138,7 @@ def unresolved_globals(patched_source: str, methods) -> dict:
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             module.add(node.name)
-        elif not isinstance(node, ast.ClassDef):
+        else:
             module |= _bound(node)
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
     found = {}
@@ -257,9 +257,11 @@ def main() -> int:
                 problems.append(f"{name} does not apply to {version}")
             elif not methods_equal_replacements(original, after, patch_set):
                 problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
-            elif unresolved_globals(after, patch_set.methods):
-                problems.append(f"{name} on {version}: the patched methods use names the release's module does not "
-                                f"define: {unresolved_globals(after, patch_set.methods)}")
+            else:
+                unresolved = unresolved_globals(after, patch_set.methods)
+                if unresolved:
+                    problems.append(f"{name} on {version}: the patched methods use names the release's module does "
+                                    f"not define: {unresolved}")
     files[os.path.join(args.patches, "README.md")] = readme(indexes)
 
     if args.check:
