@@ -1,7 +1,8 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Benchmark: host syncs and time of the boundary backward, of ``step()`` and of the overflow tracker, against the
-number of parameter tensors, unpatched vs patched vs patched with the opt-in on-device grad norm.
+"""Benchmark: host syncs and time of the boundary backward, of ``step()``, of the whole optimizer step and of the
+overflow tracker, against the number of parameter tensors, unpatched vs patched vs patched with the on-device grad
+norm.
 
     python -m deepspeed_offload_patch.bench --quick          # N = 50, 200; about 2 minutes on 2 CPU cores
     python -m deepspeed_offload_patch.bench                  # N = 50, 200, 800, 3200
@@ -11,15 +12,17 @@ Each variant runs in its own set of spawned ranks (the patch is chosen per proce
 (1, 2), precision (bf16 with the overflow check on, bf16 with it off, fp32) and model size N (``N / 2`` small
 Linear layers), with the optimizer offloaded to the CPU and gradient accumulation 2:
 
-* host syncs (``count_host_syncs``) in the boundary backward and in ``step()``, counted in the first step;
-* wall time of the boundary backward and of ``step()``: median over the measured steps after warm-up, the slowest
-  rank's;
+* host syncs (``count_host_syncs``) in the boundary backward, in ``step()`` and in the whole optimizer step (every
+  micro-step's forward and backward, then ``step()``), counted in the first step;
+* wall time of the same three: median over the measured steps after warm-up, the slowest rank's;
 * time spent in ``update_offload_overflow_tracker`` itself per boundary backward, and the number of PyTorch ops it
   runs (with the check off, the patched tracker runs none);
-* on CUDA, ``cudaStreamSynchronize`` and ``aten::item`` counted by ``torch.profiler`` in the boundary backward.
+* on CUDA, ``cudaStreamSynchronize``, ``aten::item`` and the other host waits counted by ``torch.profiler`` in the
+  boundary backward, ``step()`` and the whole step (one more step, not timed).
 
 Prints a table with unpatched/patched ratios, writes JSON and a PNG plot (matplotlib). Exits 1 if a patched
-boundary backward synchronizes with the host.
+boundary backward synchronizes with the host, if the whole step with the on-device grad norm makes more host syncs
+at one N than at another, or if a patched run was not patched.
 """
 
 import argparse
@@ -28,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -65,6 +68,8 @@ VARIANTS = {
     },
 }
 GRAD_ACCUM = 2
+# What the host waits on, as torch.profiler names it on CUDA.
+CUDA_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item")
 
 
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -105,55 +110,80 @@ def _sync(engine) -> None:
         torch.cuda.synchronize()
 
 
-def _cuda_sync_events(engine, loss) -> Dict[str, int]:
+PHASE_NAMES = {"backward": "boundary backward", "step": "step()", "whole": "whole step"}
+PHASES = ("before", "backward", "step")  # one optimizer step: the micro-steps before the boundary with its forward,
+# the boundary backward, step()
+
+
+def _phases(engine, step: int) -> Dict[str, Callable[[], None]]:
+    """One optimizer step of ``GRAD_ACCUM`` micro-steps, as three callables to run in order (see ``PHASES``)."""
+    held = {}
+
+    def before() -> None:
+        for micro in range(GRAD_ACCUM - 1):
+            engine.backward(engine(batch(engine, step * GRAD_ACCUM + micro)))
+            optimizer_step(engine)  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
+        held["loss"] = engine(batch(engine, step * GRAD_ACCUM + GRAD_ACCUM - 1))
+
+    return {
+        "before": before,
+        "backward": lambda: engine.backward(held.pop("loss")),
+        "step": lambda: optimizer_step(engine)
+    }
+
+
+def _cuda_sync_events(run: Callable[[], None]) -> Dict[str, int]:
+    """``cudaStreamSynchronize`` (and the other waits of the host for the device) and ``aten::item`` that
+    ``torch.profiler`` records while ``run()`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.backward(loss)
-    counts = {"cudaStreamSynchronize": 0, "aten::item": 0}
+        run()
+    counts = dict.fromkeys(CUDA_EVENTS, 0)
     for event in prof.key_averages():
         if event.key in counts:
             counts[event.key] += event.count
+    torch.cuda.synchronize()
     return counts
 
 
 def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -> Dict[str, Any]:
     engine = make_engine(num_tensors, config=ds_config(stage=stage, grad_accum=GRAD_ACCUM, **MODES[mode]))
     probe = _TrackerProbe(engine.optimizer)
-    result: Dict[str, Any] = {"backward_s": [], "step_s": [], "tracker_s": []}
-    for step in range(1 + warmup + steps):
-        engine.backward(engine(batch(engine, step * GRAD_ACCUM)))
-        optimizer_step(engine)
-        loss = engine(batch(engine, step * GRAD_ACCUM + 1))
+    times: Dict[str, List[float]] = {f"{phase}_s": [] for phase in PHASES + ("whole", "tracker")}
+    result: Dict[str, Any] = {}
+    profiled = 1 if engine.device.type == "cuda" else 0  # on CUDA one more step, profiled, after the counting one
+    for step in range(1 + profiled + warmup + steps):
+        phases = _phases(engine, step)
         if step == 0:  # the counting step: counters slow things down, so nothing is timed here
-            probe.count_ops = True
-            with count_host_syncs() as syncs:
-                engine.backward(loss)
+            for phase, run in phases.items():
+                probe.count_ops = phase == "backward"
+                with count_host_syncs() as syncs:
+                    run()
+                result[f"{phase}_syncs"] = syncs.total
             probe.count_ops = False
-            result["backward_syncs"], result["tracker_ops"] = syncs.total, probe.ops
-            with count_host_syncs() as syncs:
-                optimizer_step(engine)
-            result["step_syncs"] = syncs.total
+            result["tracker_ops"] = probe.ops
+            result["whole_syncs"] = sum(result[f"{phase}_syncs"] for phase in PHASES)
             continue
-        if engine.device.type == "cuda" and step == 1:
-            result["cuda"] = _cuda_sync_events(engine, loss)
-            optimizer_step(engine)
+        if profiled and step == 1:  # the profiled step, not timed either
+            cuda = {phase: _cuda_sync_events(run) for phase, run in phases.items()}
+            cuda["whole"] = {key: sum(cuda[phase][key] for phase in PHASES) for key in CUDA_EVENTS}
+            result["cuda"] = cuda
             continue
         probe.seconds = 0.0
-        _sync(engine)
-        start = time.perf_counter()
-        engine.backward(loss)
-        _sync(engine)
-        middle = time.perf_counter()
-        optimizer_step(engine)
-        _sync(engine)
-        end = time.perf_counter()
-        if step > warmup:
-            result["backward_s"].append(middle - start)
-            result["step_s"].append(end - middle)
-            result["tracker_s"].append(probe.seconds)
-    for key in ("backward_s", "step_s", "tracker_s"):
-        result[key] = statistics.median(result[key])
+        spent = {}
+        for phase, run in phases.items():
+            _sync(engine)
+            start = time.perf_counter()
+            run()
+            _sync(engine)
+            spent[phase] = time.perf_counter() - start
+        if step > profiled + warmup:
+            for phase in PHASES:
+                times[f"{phase}_s"].append(spent[phase])
+            times["whole_s"].append(sum(spent.values()))
+            times["tracker_s"].append(probe.seconds)
+    result.update({key: statistics.median(values) for key, values in times.items()})
     result["device"] = str(engine.device)
     del engine
     return result
@@ -179,12 +209,39 @@ def _combine(per_rank: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
     rows = []
     for ranks in zip(*per_rank):
         row = dict(ranks[0])
-        for key in ("backward_syncs", "step_syncs", "tracker_ops"):
+        for key in [f"{phase}_syncs" for phase in PHASES + ("whole", )] + ["tracker_ops"]:
             row[f"{key}_max"] = max(r[key] for r in ranks)
-        for key in ("backward_s", "step_s", "tracker_s"):
+        for key in [f"{phase}_s" for phase in PHASES + ("whole", "tracker")]:
             row[key] = max(r[key] for r in ranks)
         rows.append(row)
     return rows
+
+
+def render_cuda_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
+    """The Markdown table of host waits on CUDA per phase (boundary backward, step(), whole step): the counter's
+    count and the profiler's, each as unpatched / patched / +grad norm."""
+    variants = ("unpatched", "patched", "patched+grad-norm")
+    keys = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "aten::item")
+    lines = ["| stage | mode | N | phase | counted | " + " | ".join(keys) + " |", "|" + " --- |" * (5 + len(keys))]
+    for rows in zip(*(results[v] for v in variants)):
+        first = rows[0]
+        for phase in ("backward", "step", "whole"):
+            cells = [" / ".join(str(r[f"{phase}_syncs_max"]) for r in rows)]
+            cells += [" / ".join(str(r["cuda"][phase][key]) for r in rows) for key in keys]
+            lines.append(f"| {first['stage']} | {first['mode']} | {first['n']} | {PHASE_NAMES[phase]} | " +
+                         " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _growing_whole_steps(rows: List[Dict[str, Any]]) -> List[str]:
+    """For each stage and mode measured at more than one N: its whole-step counts, where they are not all equal."""
+    by_config: Dict[tuple, Dict[int, int]] = {}
+    for r in rows:
+        by_config.setdefault((r["stage"], r["mode"]), {})[r["n"]] = r["whole_syncs_max"]
+    return [
+        f"ZeRO-{stage} {mode}: " + ", ".join(f"N={n} {count}" for n, count in sorted(counts.items()))
+        for (stage, mode), counts in by_config.items() if len(set(counts.values())) > 1
+    ]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -192,26 +249,33 @@ def _ratio(a: float, b: float) -> str:
 
 
 def render_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
+    """The Markdown table of counts and times (and, on CUDA, a second one of the profiler's counts per phase)."""
     un, pa, gn = results["unpatched"], results["patched"], results["patched+grad-norm"]
-    header = (
-        "| stage | mode | N | backward syncs (unpatched / patched) | step syncs (unpatched / patched / +grad norm) "
-        "| backward ms (unpatched / patched, ratio) | step ms (unpatched / patched / +grad norm) "
-        "| tracker ms (unpatched / patched) | tracker ops (unpatched / patched) |")
-    lines = [header, "|" + " --- |" * 9]
+    header = ("| stage | mode | N | backward syncs (unpatched / patched) "
+              "| step syncs (unpatched / patched / +grad norm) | whole-step syncs (unpatched / patched / +grad norm) "
+              "| backward ms (unpatched / patched, ratio) | step ms (unpatched / patched / +grad norm) "
+              "| whole step ms (unpatched / patched / +grad norm) "
+              "| tracker ms (unpatched / patched) | tracker ops (unpatched / patched) |")
+    lines = [header, "|" + " --- |" * 11]
+
+    def three(key: str, scale: float = 0, places: int = 1) -> str:
+        values = [r[key] * scale if scale else r[key] for r in (u, p, g)]
+        return " / ".join(f"{v:.{places}f}" if scale else str(v) for v in values)
+
     for u, p, g in zip(un, pa, gn):
         lines.append(f"| {u['stage']} | {u['mode']} | {u['n']} | {u['backward_syncs']} / {p['backward_syncs']} "
-                     f"| {u['step_syncs']} / {p['step_syncs']} / {g['step_syncs']} "
+                     f"| {three('step_syncs')} | {three('whole_syncs')} "
                      f"| {u['backward_s'] * 1e3:.1f} / {p['backward_s'] * 1e3:.1f}, "
                      f"{_ratio(u['backward_s'], p['backward_s'])} "
-                     f"| {u['step_s'] * 1e3:.1f} / {p['step_s'] * 1e3:.1f} / {g['step_s'] * 1e3:.1f} "
+                     f"| {three('step_s', 1e3)} | {three('whole_s', 1e3)} "
                      f"| {u['tracker_s'] * 1e3:.2f} / {p['tracker_s'] * 1e3:.2f} "
                      f"| {u['tracker_ops']} / {p['tracker_ops']} |")
     if "cuda" in un[0]:
-        lines.append("\nCUDA, boundary backward: cudaStreamSynchronize / aten::item, unpatched vs patched")
-        for u, p in zip(un, pa):
-            lines.append(
-                f"stage {u['stage']} {u['mode']} N={u['n']}: {u['cuda']['cudaStreamSynchronize']} / "
-                f"{u['cuda']['aten::item']} vs {p['cuda']['cudaStreamSynchronize']} / {p['cuda']['aten::item']}")
+        lines += [
+            "", "CUDA, one step per rank; unpatched / patched / +grad norm; counted: the host-sync counter, the rest "
+            "recorded by torch.profiler", "",
+            render_cuda_table(results).rstrip("\n")
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -223,9 +287,10 @@ def plot(results: Dict[str, List[Dict[str, Any]]], path: str, stage: int) -> boo
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.8))
     panels = (("backward_syncs", "host syncs, boundary backward"), ("step_syncs", "host syncs, step()"),
-              ("backward_s", "boundary backward (s)"), ("tracker_s", "overflow tracker per boundary backward (s)"))
+              ("whole_syncs", "host syncs, whole optimizer step"), ("whole_s", "whole optimizer step (s)"),
+              ("tracker_s", "overflow tracker per boundary backward (s)"))
     for ax, (key, title) in zip(axes, panels):
         for variant, rows in results.items():
             for mode in MODES:
@@ -268,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The benchmark's argument parser (``python -m deepspeed_offload_patch.bench``)."""
     parser = argparse.ArgumentParser(prog="python -m deepspeed_offload_patch.bench",
                                      description=__doc__.splitlines()[0],
-                                     epilog="Exit: 0, or 1 if a patched boundary backward synchronizes with the host.")
+                                     epilog="Exit: 0, or 1 if a patched boundary backward synchronizes with the host, "
+                                     "the whole step with the on-device grad norm grows with N, or a patched run was "
+                                     "not patched.")
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", help="parameter tensors (default 50 200 800 3200)")
     parser.add_argument("--stages",
@@ -328,10 +395,13 @@ def main(argv=None) -> int:
     for r in bad:
         print(f"FAIL: patched boundary backward synchronized: stage {r['stage']} {r['mode']} N={r['n']}: "
               f"{r['backward_syncs_max']} host syncs")
+    growing = _growing_whole_steps(results["patched+grad-norm"])
+    for line in growing:
+        print(f"FAIL: patched with the on-device grad norm, the whole step's host syncs grow with N: {line}")
     not_patched = [v for v in ("patched", "patched+grad-norm") if results[v][0]["state"] != "applied"]
     for variant in not_patched:
         print(f"FAIL: the {variant} run was not patched ({results[variant][0]['state']})")
-    return 1 if bad or not_patched else 0
+    return 1 if bad or growing or not_patched else 0
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
 _SWITCHES = {
     "DS_OFFLOAD_PATCH_DISABLE": "0",
     "DS_OFFLOAD_PATCH_STRICT": "0",
-    "DS_OFFLOAD_PATCH_GRAD_NORM": "0",
+    "DS_OFFLOAD_PATCH_GRAD_NORM": "1",
     "DS_OFFLOAD_PATCH_SKIPPED_STEP": "1",
     "DS_OFFLOAD_PATCH_UPSTREAM_ONLY": "0",
     COMPACT_BUFFER: "1",
@@ -289,9 +289,9 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _typed(value: Any) -> Tuple[str, Any]:
-    """``(type name, value)``; a float as its repr, so that NaN equals NaN."""
+    """``(type name, value)``; a float as its repr, so that NaN equals NaN; a tensor with its dtype."""
     if torch.is_tensor(value):
-        return ("Tensor", repr(value.tolist()))
+        return (f"Tensor[{value.dtype}]", repr(value.tolist()))
     if isinstance(value, float):
         return ("float", repr(value))
     return (type(value).__name__, value)
@@ -319,6 +319,8 @@ def _record(engine, step: int) -> Dict[str, Any]:
         "skipped": engine.skipped_steps,
         "global_steps": engine.global_steps,
         "overflow": _typed(optimizer.overflow),
+        # What get_global_grad_norm() returns and clipping divides by: the on-device gradient norm must give the same.
+        "grad_norm": _typed(engine.get_global_grad_norm()),
         "scale": _scaler_state(optimizer),
     }
 

@@ -34,8 +34,26 @@ def test_readme_is_short_and_answers_first():
 
 
 def test_readme_links_lead_to_files():
-    for name in ("README.md", "ci/README.md", "docs/audit.md", "docs/releases.md", "docs/benchmark.md"):
+    for name in ("README.md", "ci/README.md", "docs/audit.md", "docs/releases.md", "docs/benchmark.md", "docs/gpu.md"):
         text = open(os.path.join(ROOT, name)).read()
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             path = os.path.normpath(os.path.join(ROOT, os.path.dirname(name), target))
             assert os.path.exists(path), f"{name} links to {target}, which does not exist"
+
+
+def _between(text: str, name: str) -> str:
+    return text.split(f"<!-- {name}:start -->\n", 1)[1].split(f"<!-- {name}:end -->", 1)[0]
+
+
+def test_the_gpu_numbers_are_the_measured_ones():
+    # docs/gpu.md's table is what the benchmark wrote on the GPU (docs/gpu-check/bench.json), not a copy by hand.
+    import json
+
+    from deepspeed_offload_patch.bench import render_cuda_table
+
+    with open(os.path.join(ROOT, "docs", "gpu-check", "bench.json")) as f:
+        measured = json.load(f)["results"]
+    with open(os.path.join(ROOT, "docs", "gpu.md")) as f:
+        assert _between(f.read(), "gpu") == render_cuda_table(measured)
+    whole = {r["n"]: r["cuda"]["whole"]["cudaStreamSynchronize"] for r in measured["patched+grad-norm"]}
+    assert len(whole) > 1 and len(set(whole.values())) == 1, whole

@@ -18,7 +18,7 @@ def test_the_script_parses_and_names_its_checks():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
     result = run_command(["bash", SCRIPT, "--dry-run"])
     assert result.returncode == 0, result.stdout + result.stderr
-    for part in ("verify", "--sizes 398", "counter", "test_offload_one_rank.py"):
+    for part in ("verify", "--sizes 50 398", "whole step", "counter", "test_offload_one_rank.py", "grad norm"):
         assert part in result.stdout, result.stdout
 
 

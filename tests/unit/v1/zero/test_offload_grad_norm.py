@@ -42,8 +42,10 @@ class TestGradNormBits(DistributedTest):
 
     @staticmethod
     def _optimizer(norms):
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+        device = get_accelerator().current_device_name()  # where ZeRO keeps the norms: the GPU, on a GPU
         params = [torch.nn.Parameter(torch.zeros(1)) for _ in norms]
         optimizer = DeepSpeedZeroOptimizer.__new__(DeepSpeedZeroOptimizer)
         optimizer.param_id = {id(p): i for i, p in enumerate(params)}
@@ -51,9 +53,9 @@ class TestGradNormBits(DistributedTest):
         optimizer.model_parallel_group = None
         optimizer.dp_process_group = dist.get_world_group()
         optimizer.ignore_unused_parameters = True
-        optimizer.device = torch.device("cpu")
+        optimizer.device = torch.device(device)
         # Parameters without a norm took no part in the step.
-        optimizer.norm_for_param_grads = {i: n for i, n in enumerate(norms) if n is not None}
+        optimizer.norm_for_param_grads = {i: n.to(device) for i, n in enumerate(norms) if n is not None}
         return optimizer, params
 
     def _check(self, norms):
