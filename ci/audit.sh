@@ -7,5 +7,5 @@
 set -euo pipefail
 . "$(dirname "$0")/setup.sh"
 export LOCAL_SIZE=2  # the device count of DeepSpeed's CPU accelerator, which the launcher checks --num_gpus against
-ds-offload-patch audit --compare --steps 2 --stop-after --max-backward-syncs 0 "$@" -- \
+ds-offload-patch audit --compare --steps 2 --stop-after --max-backward-syncs 0 --max-total-syncs 10 "$@" -- \
     deepspeed --num_gpus 2 ci/smoke_train.py

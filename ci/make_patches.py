@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write ``patches/``: the change as unified diffs of ``deepspeed/runtime/zero/stage_1_and_2.py``, one per form.
 
-For each patch set (the fix in ``patches/``, the opt-in grad norm in ``patches/grad-norm-on-device/``) and each
+For each patch set (the fix in ``patches/``, the grad norm in ``patches/grad-norm-on-device/``) and each
 supported release, it replaces the set's methods in the release's own file (from its sdist) with this package's
 replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
 applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
@@ -208,9 +208,10 @@ The fix, what the package applies by default: `update_offload_overflow_tracker` 
 
 {sections[0]}
 
-The opt-in on-device gradient norm (`complete_grad_norm_calculation_for_cpu_offload`; what
-`apply(grad_norm_on_device=True)` or `DS_OFFLOAD_PATCH_GRAD_NORM=1` adds), in `grad-norm-on-device/`. It touches
-another method than the fix, so it applies with or without the fix's diff:
+The on-device gradient norm (`complete_grad_norm_calculation_for_cpu_offload`; on by default,
+`DS_OFFLOAD_PATCH_GRAD_NORM=0` leaves it out), in `grad-norm-on-device/`: `step()` sums the gradient norms on the
+device instead of reading one per parameter tensor. It touches another method than the fix, so it applies with or
+without the fix's diff:
 
 {sections[1]}
 
@@ -227,7 +228,7 @@ Apply a diff at the top of a DeepSpeed checkout of a listed release:
 git apply /path/to/patches/stage_1_and_2-0.19.7-0.19.8.diff     # or: patch -p1 < /path/to/....diff
 ```
 
-`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the opt-in's,
+`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the grad norm's,
 `--skipped-step` the skipped-step fix's). With a diff
 applied, the package reports that part as `upstream-fixed` and patches nothing there. `index.json` in each folder
 maps each release to its diff.

@@ -13,7 +13,7 @@ by the Trainer at run time: where one decides a defect, the answer is ``maybe``.
   accumulation under bf16 with its overflow check on, or fp16; DeepSpeed 0.19.8, whose compact buffer keeps it).
   Fixed by the skipped-step fix.
 * ``step-reads``: ``step()`` reads one host value per owned gradient tensor (its norm; ZeRO-1/2 with offload).
-  Fixed only by the opt-in on-device gradient norm (DeepSpeed 0.14.0 and later), so it never fails the exit code.
+  Fixed by the on-device gradient norm (on by default; DeepSpeed 0.14.0 and later).
 
 Exit code: 0 when the job has no defect that stays (none, or each fixed here by default), 1 when it has one (or
 may have one, with ``"auto"``), 2 when the config cannot be read.
@@ -52,7 +52,7 @@ class Finding:
     defect: str
     affected: str
     why: str
-    fixed: str  # "yes", "no", "opt-in" or "-" (nothing to fix)
+    fixed: str  # "yes", "no" or "-" (nothing to fix)
     change: str  # the change and its state here
 
     @property
@@ -151,12 +151,12 @@ def findings(job: Job, status) -> List[Finding]:
             Finding("skipped-step", affected, f"{where}, fp32 gradient accumulation under {job.precision}", fixed,
                     change))
 
-    # step()'s reads of each gradient norm: only the opt-in removes them.
-    norm = f"the opt-in on-device grad norm: {status.grad_norm_on_device}"
+    # step()'s reads of each gradient norm: the on-device grad norm removes them.
+    norm = f"the on-device grad norm: {status.grad_norm_on_device}"
     if offloaded == NO:
         found.append(Finding("step-reads", NO, where, "-", norm))
     else:
-        fixed = YES if status.grad_norm_on_device in GOOD_STATES else "opt-in"
+        fixed = YES if status.grad_norm_on_device in GOOD_STATES else NO
         found.append(Finding("step-reads", offloaded, where, fixed, norm))
     return found
 
@@ -202,7 +202,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
         if finding.affected == NO:
             verdict = f"not affected ({finding.why})"
         else:
-            fix = {YES: "fixed", NO: "NOT fixed", "opt-in": "not fixed by default (DS_OFFLOAD_PATCH_GRAD_NORM=1)"}
+            fix = {YES: "fixed", NO: "NOT fixed"}
             verdict = f"{'affected' if finding.affected == YES else 'maybe affected'} ({finding.why}); " \
                       f"{fix[finding.fixed]}"
         print(f"{TITLES[finding.defect]}: {verdict} [{finding.change}]")

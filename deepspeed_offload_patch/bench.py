@@ -377,7 +377,8 @@ def main(argv=None) -> int:
     table = render_table(results)
     caption = (f"device: {results['patched'][0]['device']}, {args.world_size} ranks, torch {torch.__version__}, "
                f"DeepSpeed {_deepspeed_version()}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
-               f"median of {steps} steps after {warmup} warm-up, the slowest rank's")
+               f"median of {steps} steps after {warmup} warm-up, the slowest rank's. patched: "
+               f"DS_OFFLOAD_PATCH_GRAD_NORM=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
     print()
     print(caption)
     print(table)

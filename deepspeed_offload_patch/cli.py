@@ -88,22 +88,26 @@ def _status_command(args) -> int:
                        indent=2,
                        sort_keys=True))
     else:
-        from deepspeed_offload_patch.guard import SKIPPED_STEP
+        from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
 
         skipped_methods = SKIPPED_STEP.methods + SKIPPED_STEP.witnesses
+        others = skipped_methods + GRAD_NORM.methods
+
+        def methods(names) -> None:
+            for name, finding in status.methods.items():
+                if name in names:
+                    print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+
         print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
         print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state} (the overflow flag fix)")
         print(f"  {status.reason}")
-        for name, finding in status.methods.items():
-            if name not in skipped_methods:
-                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+        methods([name for name in status.methods if name not in others])
         print(f"skipped-step fix: {status.skipped_step}"
               f"{': ' + status.skipped_step_reason if status.skipped_step_reason else ''}")
-        for name, finding in status.methods.items():
-            if name in skipped_methods:
-                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
-        print(f"opt-in on-device grad norm: {status.grad_norm_on_device}"
+        methods(skipped_methods)
+        print(f"on-device grad norm: {status.grad_norm_on_device}"
               f"{': ' + status.grad_norm_reason if status.grad_norm_reason else ''}")
+        methods(GRAD_NORM.methods)
     return status_exit_code(status)
 
 
@@ -114,18 +118,30 @@ def exit_code(state: str) -> int:
 
 
 def status_exit_code(status) -> int:
-    """The exit code of ``check`` and ``status``: the fix's, else the skipped-step fix's when that one is on by
-    default and not in effect (unsupported, conflict, reverted): every change the installed DeepSpeed needs."""
-    from deepspeed_offload_patch.patcher import SKIPPED_STEP_GOOD_STATES
+    """The exit code of ``check`` and ``status``: the fix's, else the skipped-step fix's, else the on-device grad
+    norm's, when that one is on and not in effect (unsupported, conflict, reverted): every change the installed
+    DeepSpeed needs."""
     code = exit_code(status.state)
-    if code == 0 and status.skipped_step not in SKIPPED_STEP_GOOD_STATES:
-        code = EXIT.get(status.skipped_step, 1)
+    if code == 0:
+        part = _failing_part(status)
+        if part:
+            code = EXIT.get(getattr(status, part[0]), 1)
     return code
 
 
-def _check_command(args) -> int:
-    from deepspeed_offload_patch.patcher import SKIPPED_STEP_GOOD_STATES
+def _failing_part(status) -> Optional[tuple]:
+    """``(state field, reason field, name, switch)`` of the first default-on change that is not in effect, or None."""
+    from deepspeed_offload_patch.patcher import GRAD_NORM_GOOD_STATES, SKIPPED_STEP_GOOD_STATES
+    from deepspeed_offload_patch.settings import GRAD_NORM, SKIPPED_STEP
 
+    if status.skipped_step not in SKIPPED_STEP_GOOD_STATES:
+        return ("skipped_step", "skipped_step_reason", "the skipped-step fix", SKIPPED_STEP)
+    if status.grad_norm_on_device not in GRAD_NORM_GOOD_STATES:
+        return ("grad_norm_on_device", "grad_norm_reason", "the on-device grad norm", GRAD_NORM)
+    return None
+
+
+def _check_command(args) -> int:
     status = resolve_status()
     code = status_exit_code(status)
     version = status.deepspeed_version or "(not installed)"
@@ -133,15 +149,15 @@ def _check_command(args) -> int:
     python = f"Python {platform.python_version()}"
     if code == 0:
         print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, the skipped-step fix "
-              f"{status.skipped_step} ({python})")
+              f"{status.skipped_step}, the on-device grad norm {status.grad_norm_on_device} ({python})")
     elif exit_code(status.state):
         print(f"ds-offload-patch check: FAIL ({status.state}, {python}): {status.reason}; "
               f"{ADVICE.get(status.state, 'see ds-offload-patch status')}")
     else:
-        assert status.skipped_step not in SKIPPED_STEP_GOOD_STATES
-        print(f"ds-offload-patch check: FAIL (the skipped-step fix {status.skipped_step}, {python}): "
-              f"{status.skipped_step_reason}; {ADVICE.get(status.skipped_step, 'see ds-offload-patch status')} (or "
-              "DS_OFFLOAD_PATCH_SKIPPED_STEP=0 to go without it)")
+        state, reason, name, switch = _failing_part(status)
+        print(f"ds-offload-patch check: FAIL ({name} {getattr(status, state)}, {python}): "
+              f"{getattr(status, reason)}; {ADVICE.get(getattr(status, state), 'see ds-offload-patch status')} (or "
+              f"{switch}=0 to go without it)")
     return code
 
 
@@ -184,7 +200,11 @@ def _audit_command(args) -> int:
     if not command:
         print("ds-offload-patch audit: give a command after --", file=sys.stderr)
         return 2
-    budgets = {"max_backward_syncs": args.max_backward_syncs, "max_step_syncs": args.max_step_syncs}
+    budgets = {
+        "max_backward_syncs": args.max_backward_syncs,
+        "max_step_syncs": args.max_step_syncs,
+        "max_total_syncs": args.max_total_syncs
+    }
     return audit(command,
                  steps=args.steps,
                  stop_after=args.stop_after,
@@ -245,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "goes to stderr. Apply it with patch -p1 in site-packages. Exit 0, or 1 when there is no "
                           "diff for this DeepSpeed.")
     which = diff.add_mutually_exclusive_group()
-    which.add_argument("--grad-norm", action="store_true", help="the opt-in on-device gradient norm's diff instead")
+    which.add_argument("--grad-norm", action="store_true", help="the on-device gradient norm's diff instead")
     which.add_argument("--skipped-step",
                        action="store_true",
                        help="the skipped-step fix's diff instead (DeepSpeed 0.19.8: a skipped step's gradient is not "
@@ -269,12 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "patch. Exit: the command's own code; 2 no command; 127 the command cannot be started.")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run_command)
-    audit = sub.add_parser("audit",
-                           help="count host syncs per training phase in the ranks of a command, with budgets",
-                           description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
-                           "engine's forward, boundary backward, other backward and step() for the first optimizer "
-                           "steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
-                           "step was counted, 2 no command, 127 the command cannot be started, else 0.")
+    audit = sub.add_parser(
+        "audit",
+        help="count host syncs per training phase in the ranks of a command, with budgets",
+        description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
+        "engine's forward, boundary backward, other backward and step() (and their sum, the whole "
+        "step) for the first optimizer steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
+        "step was counted, 2 no command, 127 the command cannot be started, else 0.")
     audit.add_argument("--steps", type=_positive, default=3, metavar="N", help="optimizer steps to count (default 3)")
     audit.add_argument("--stop-after",
                        action="store_true",
@@ -291,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
                        type=_budget,
                        metavar="K",
                        help="fail if a rank's step() calls make more than K host syncs in an optimizer step")
+    audit.add_argument("--max-total-syncs",
+                       type=_budget,
+                       metavar="K",
+                       help="fail if a rank makes more than K host syncs in a whole optimizer step (every "
+                       "micro-step's forward and backward, then step())")
     audit.add_argument("--compare",
                        action="store_true",
                        help="run the command twice, patch disabled then applied, and print both (budgets apply to "

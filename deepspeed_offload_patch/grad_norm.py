@@ -1,13 +1,14 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Opt-in second change: the offload gradient norm without one host read per parameter.
+"""Second change, on by default: the offload gradient norm without one host read per parameter.
 
 ``complete_grad_norm_calculation_for_cpu_offload`` in ``step()`` read each owned parameter's gradient norm with
 ``.item()`` to sum the squares in a Python float: the same defect as the overflow check, in the step instead of the
 backward. Here the squares are summed on the device, in float64 and in the loop's order, so the total is the same
 double the Python loop makes (each ``float ** 2`` and ``+`` is one correctly rounded IEEE operation either way), and
 it reaches the device tensor that is all-reduced through the same float64-to-float32 rounding. The host reads once,
-after the all-reduce, as before. Off by default: it is not part of DeepSpeed pull request 8963.
+after the all-reduce, as before. Not part of DeepSpeed pull request 8963: ``DS_OFFLOAD_PATCH_GRAD_NORM=0`` or
+``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1`` leave it out.
 
 Two forms, as DeepSpeed has two: 0.17.1 and later return the norm as a float32 tensor; 0.14.0 to 0.17.0 return a Python
 number (``-1`` for an inf/NaN norm), built from the same float32 all-reduce.

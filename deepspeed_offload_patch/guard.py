@@ -52,7 +52,7 @@ OVERFLOW_FLAG = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
 #: The same fix for DeepSpeed 0.14.0 to 0.17.0, whose tracker is ``update_overflow_tracker_for_param_grad(param)``.
 OVERFLOW_FLAG_PER_PARAM = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
                                    ("update_overflow_tracker_for_param_grad", "has_overflow"), ">=0.14.0,<0.17.1")
-#: Opt-in: the offload gradient norm summed on the device (two forms: a tensor from 0.17.1 on, a number before).
+#: On by default: the offload gradient norm summed on the device (two forms: a tensor from 0.17.1 on, a number before).
 GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
                      ("complete_grad_norm_calculation_for_cpu_offload", ), ">=0.14.0")
 #: On by default where DeepSpeed has the defect: a skipped step leaves no gradient in the compact fp32 partition buffer

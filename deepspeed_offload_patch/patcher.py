@@ -36,6 +36,8 @@ OFF = "off"
 GOOD_STATES = (APPLIED, UPSTREAM_FIXED)
 #: States of the skipped-step fix in which a skipped step leaves no gradient behind, or the user chose otherwise.
 SKIPPED_STEP_GOOD_STATES = (APPLIED, UPSTREAM_FIXED, NOT_NEEDED, OFF)
+#: States of the on-device grad norm in which step() makes no host read per tensor, or the user chose otherwise.
+GRAD_NORM_GOOD_STATES = (APPLIED, UPSTREAM_FIXED, OFF)
 
 
 class PatchError(RuntimeError):
@@ -49,8 +51,9 @@ class PatchStatus:
     ``state`` is the fix's (the overflow flag on the device): one of applied, pending (DeepSpeed's ZeRO module is not
     imported yet; the patch applies when it is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing,
     reverted or not-applied (before the package's import has run). ``methods`` maps each examined method to the
-    guard's finding (see :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the opt-in's state: off
-    (not asked for), applied, upstream-fixed, unsupported, conflict or reverted, with ``grad_norm_reason``.
+    guard's finding (see :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the on-device gradient norm's (on by
+    default): off (switched off), applied, upstream-fixed, unsupported, conflict or reverted, with
+    ``grad_norm_reason``; it is decided with the fix, as ``skipped_step`` is.
     ``skipped_step`` is the skipped-step fix's (on by default): off (switched off), applied, not-needed (the
     DeepSpeed has no such defect), upstream-fixed, unsupported, conflict or reverted, with ``skipped_step_reason``;
     it is decided with the fix (pending, disabled and the rest leave it ``off``).
@@ -165,17 +168,17 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
         if cls is None:
             missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
             status = _set(*missing,
-                          grad_norm=missing if grad_norm else None,
+                          grad_norm=missing if grad_norm else _grad_norm_off(),
                           skipped_step=missing if skipped_step else _skipped_step_off())
         else:
             form = fix_for(cls)
             fix = _apply_set(cls, form)
             methods = dict(fix.methods)
-            norm = None
+            norm = _grad_norm_off()
             if grad_norm:
-                opt_in = _apply_set(cls, GRAD_NORM)
-                methods.update(opt_in.methods)
-                norm = (opt_in.state, opt_in.reason)
+                found = _apply_set(cls, GRAD_NORM)
+                methods.update(found.methods)
+                norm = (found.state, found.reason)
             skipped = _skipped_step_off()
             if skipped_step:
                 found = _apply_set(cls, SKIPPED_STEP)
@@ -183,12 +186,18 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
                 skipped = (found.state, found.reason)
             status = _set(fix.state, fix.reason, methods, grad_norm=norm, skipped_step=skipped)
     _report("the offload overflow flag fix", status.state, status.reason, strict)
-    if grad_norm:
-        _report("the on-device grad norm (opt-in)", status.grad_norm_on_device, status.grad_norm_reason, strict)
-    # One message per cause: a DeepSpeed that both changes refuse for the same reason (its version) is said once.
+    # One message per cause: a DeepSpeed that the changes refuse for the same reason (its version) is said once.
+    if grad_norm and (status.grad_norm_on_device, status.grad_norm_reason) != (status.state, status.reason):
+        _report("the on-device grad norm", status.grad_norm_on_device, status.grad_norm_reason, strict)
     if skipped_step and (status.skipped_step, status.skipped_step_reason) != (status.state, status.reason):
         _report("the skipped-step fix", status.skipped_step, status.skipped_step_reason, strict)
     return status
+
+
+def _grad_norm_off() -> tuple:
+    """The on-device grad norm's state when its switches leave it out."""
+    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{settings.GRAD_NORM}=0"
+    return (OFF, f"{which}: left out")
 
 
 def _skipped_step_off() -> tuple:
@@ -313,11 +322,11 @@ def install() -> PatchStatus:
 def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
     """Patch DeepSpeed now, importing its ZeRO module if needed. A second call changes nothing.
 
-    ``grad_norm_on_device=True`` (default: ``DS_OFFLOAD_PATCH_GRAD_NORM``) also applies the opt-in on-device gradient
-    norm; ``False`` does not undo an opt-in already applied (``revert()`` does).
+    ``grad_norm_on_device`` (default: ``DS_OFFLOAD_PATCH_GRAD_NORM``, on unless it is 0) says whether to apply the
+    on-device gradient norm too; ``False`` does not undo one already applied (``revert()`` does).
 
     Returns the status: ``applied`` on success; ``upstream-fixed``, ``unsupported`` or ``conflict`` (with one
-    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``. The opt-in's own
+    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``. The grad norm's own
     state is in ``grad_norm_on_device``.
 
     Raises:
@@ -372,7 +381,7 @@ def revert() -> PatchStatus:
 
 def is_applied() -> bool:
     """True when both methods of the fix (in the form the loaded DeepSpeed has) are this package's replacements right
-    now (the opt-in aside)."""
+    now (the grad norm and the skipped-step fix aside)."""
     from deepspeed_offload_patch.guard import fix_methods
 
     module = sys.modules.get(TARGET_MODULE)
@@ -384,13 +393,19 @@ def is_applied() -> bool:
 
 
 def status() -> PatchStatus:
-    """The current status. Reports ``conflict`` (for the fix, or for the skipped-step fix) if someone replaced a
-    patched method after the patch applied."""
+    """The current status. Reports ``conflict`` (for the fix, the grad norm or the skipped-step fix) if someone
+    replaced a patched method after the patch applied."""
     with _lock:
         current = PatchStatus(**_status.as_dict())
         if current.state == APPLIED and not is_applied():
             current.state = CONFLICT
             current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
+        if current.grad_norm_on_device == APPLIED and not _still_ours(
+                "complete_grad_norm_calculation_for_cpu_offload"):
+            current.grad_norm_on_device = CONFLICT
+            current.grad_norm_reason = (
+                f"{TARGET_CLASS}.complete_grad_norm_calculation_for_cpu_offload was replaced by "
+                "someone else after the patch applied")
         if current.skipped_step == APPLIED and not _still_ours("reset_cpu_buffers"):
             current.skipped_step = CONFLICT
             current.skipped_step_reason = (f"{TARGET_CLASS}.reset_cpu_buffers was replaced by someone else after the "

@@ -8,7 +8,7 @@ import os
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
 #: ``1``: raise :class:`~deepspeed_offload_patch.PatchError` instead of warning when the patch cannot apply.
 STRICT = "DS_OFFLOAD_PATCH_STRICT"
-#: ``1``: also apply the opt-in on-device gradient norm for ``step()`` (off by default).
+#: ``0``: leave out the on-device gradient norm for ``step()`` (DeepSpeed's per-tensor host reads stay). On by default.
 GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
 #: ``0``: importing the package does not patch (state ``not-applied``); ``apply()`` still does. On by default.
 AUTO = "DS_OFFLOAD_PATCH_AUTO"
@@ -16,7 +16,7 @@ AUTO = "DS_OFFLOAD_PATCH_AUTO"
 #: On by default where DeepSpeed has that defect.
 SKIPPED_STEP = "DS_OFFLOAD_PATCH_SKIPPED_STEP"
 #: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: the
-#: skipped-step fix and the opt-in grad norm stay off whatever their own switches say.
+#: skipped-step fix and the on-device grad norm stay off whatever their own switches say.
 UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -54,7 +54,11 @@ def strict() -> bool:
 
 
 def grad_norm() -> bool:
-    return flag(GRAD_NORM, odd_means="so the on-device gradient norm stays off") and not upstream_only()
+    """Whether to apply the on-device gradient norm: unless ``DS_OFFLOAD_PATCH_GRAD_NORM`` is false or
+    ``DS_OFFLOAD_PATCH_UPSTREAM_ONLY`` is true. An odd value reads as off (DeepSpeed's own method), with a warning."""
+    return not upstream_only() and flag(
+        GRAD_NORM, odd=False, unset=True, odd_means="so the on-device gradient norm "
+        "is left out")
 
 
 def upstream_only() -> bool:

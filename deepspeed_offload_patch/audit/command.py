@@ -80,7 +80,7 @@ def audit(command: List[str],
           compare: bool = False,
           top: int = 3) -> int:
     """Run ``command`` audited (twice with ``compare``: patch disabled, then applied) and report; see the module doc
-    for the exit codes. ``budgets`` maps ``max_backward_syncs``/``max_step_syncs`` to a limit per rank, phase and
+    for the exit codes. ``budgets`` maps ``max_backward_syncs``/``max_step_syncs``/``max_total_syncs`` to a limit per rank, phase and
     optimizer step (None: no limit); with ``compare`` they apply to the patched run."""
     budgets = budgets or {}
     plan = [("unpatched", {

@@ -12,17 +12,23 @@ from typing import Dict, List, Optional, Sequence
 
 #: The phases of an optimizer step that each rank counts, in the order the tables show them.
 PHASES = ("forward", "boundary_backward", "other_backward", "step")
+#: Not a phase: all of them, the whole optimizer step (every micro-step's forward and backward, then step()).
+WHOLE_STEP = "whole_step"
 PHASE_TITLES = {
     "forward": "forward",
     "boundary_backward": "boundary backward",
     "other_backward": "other backward",
     "step": "step()",
+    WHOLE_STEP: "whole step",
 }
+#: The columns of the tables: each phase, then the whole step.
+COLUMNS = PHASES + (WHOLE_STEP, )
 
 #: The budgets the command line can set: option -> the phases it limits.
 BUDGET_PHASES = {
     "max_backward_syncs": ("boundary_backward", "other_backward"),
     "max_step_syncs": ("step", ),
+    "max_total_syncs": (WHOLE_STEP, ),
 }
 
 
@@ -30,8 +36,14 @@ def _fmt(values: Sequence[Optional[int]]) -> str:
     return " ".join(f"{'-' if v is None else v:>3}" for v in values)
 
 
+def _count(counts: Optional[Dict[str, int]], phase: str) -> Optional[int]:
+    if counts is None:
+        return None
+    return sum(counts[p] for p in PHASES) if phase == WHOLE_STEP else counts[phase]
+
+
 def _column(report: Dict, phase: str) -> List[int]:
-    return [step[phase] for step in report["steps"]]
+    return [_count(step, phase) for step in report["steps"]]
 
 
 def _header(reports: List[Dict]) -> str:
@@ -47,26 +59,28 @@ def _header(reports: List[Dict]) -> str:
 def _rows(reports: List[Dict], run: Optional[str] = None) -> List[str]:
     rows = []
     for report in sorted(reports, key=lambda r: r["rank"]):
-        cells = "".join(f"{_fmt(_column(report, phase)):<20} " for phase in PHASES)
+        cells = "".join(f"{_fmt(_column(report, phase)):<20} " for phase in COLUMNS)
         prefix = f"{run:<10} " if run is not None else ""
         rows.append(f"{prefix}{report['rank']:>4}  {cells.rstrip()}")
         if report.get("cuda_syncs"):
-            cuda = "".join(f"{_fmt([s[phase] if s else None for s in report['cuda_syncs']]):<20} " for phase in PHASES)
+            cuda = "".join(f"{_fmt([_count(s, phase) for s in report['cuda_syncs']]):<20} " for phase in COLUMNS)
             rows.append(f"{' ' * len(prefix)}{'cuda':>4}  {cuda.rstrip()}")
     return rows
 
 
 def _columns(with_run: bool) -> str:
-    titles = "".join(f"{PHASE_TITLES[phase]:<20} " for phase in PHASES).rstrip()
+    titles = "".join(f"{PHASE_TITLES[phase]:<20} " for phase in COLUMNS).rstrip()
     return f"{'run':<10} {'rank':>4}  {titles}" if with_run else f"{'rank':>4}  {titles}"
 
 
 def top_lines(reports: List[Dict], phase: str, limit: int = 3) -> List[str]:
-    """The source lines with the most host syncs in ``phase``, summed over ranks: ``count  file:line (code)  op``."""
+    """The source lines with the most host syncs in ``phase`` (every phase for the whole step), summed over ranks:
+    ``count  file:line (code)  op``."""
     totals: Counter = Counter()
     for report in reports:
-        for entry in report["top"][phase]:
-            totals[(entry["line"], entry["op"])] += entry["count"]
+        for part in (PHASES if phase == WHOLE_STEP else (phase, )):
+            for entry in report["top"][part]:
+                totals[(entry["line"], entry["op"])] += entry["count"]
     return [f"{count:>5}  {line}  {op}" for (line, op), count in totals.most_common(limit)]
 
 

@@ -25,7 +25,7 @@ def test_old_release_is_left_untouched_with_one_warning():
         assert status.state == "unsupported", status
         assert not dop.is_applied()
         cls = stage_1_and_2.DeepSpeedZeroOptimizer
-        # The fix's methods (and the opt-in's) stay DeepSpeed's own. The skipped-step fix decides on methods of its
+        # The fix's methods (and the grad norm's) stay DeepSpeed's own. The skipped-step fix decides on methods of its
         # own: where they are a known form (truth-test keeps 0.19.8's) it applies, and says so in its own state.
         skipped_step = set(guard.SKIPPED_STEP.methods) if status.skipped_step == "applied" else set()
         for name in set(guard.ALL_METHODS + ("update_overflow_tracker_for_param_grad", )) - skipped_step:

@@ -37,7 +37,7 @@ def _config(path, **changes):
     return config
 
 
-def _status(state="applied", skipped_step="applied", grad_norm="off", version="0.19.8"):
+def _status(state="applied", skipped_step="applied", grad_norm="applied", version="0.19.8"):
     return PatchStatus(state, version, "", {}, grad_norm, "", skipped_step, "")
 
 
@@ -49,11 +49,13 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
     assert _verdicts(_config(UPSTREAM), _status()) == {
         "host-sync": ("yes", "yes"),
         "skipped-step": ("yes", "yes"),
-        "step-reads": ("yes", "opt-in"),
+        "step-reads": ("yes", "yes"),
     }
     # Unpatched, or with the skipped-step fix off, the defects stay.
     assert _verdicts(_config(UPSTREAM), _status("disabled", "off"))["skipped-step"] == ("yes", "no")
     assert _verdicts(_config(UPSTREAM), _status("applied", "off"))["host-sync"] == ("yes", "yes")
+    # With the on-device grad norm switched off, step()'s reads stay.
+    assert _verdicts(_config(UPSTREAM), _status(grad_norm="off"))["step-reads"] == ("yes", "no")
     # On DeepSpeed 0.19.7 there is no compact buffer: no freeze.
     assert _verdicts(_config(UPSTREAM), _status(skipped_step="not-needed",
                                                 version="0.19.7"))["skipped-step"][0] == "no"
@@ -77,7 +79,7 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
     assert _verdicts(_config(path), _status()) == {
         "host-sync": ("yes", "yes"),
         "skipped-step": ("no", "-"),
-        "step-reads": ("yes", "opt-in"),
+        "step-reads": ("yes", "yes"),
     }
     assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
     assert _verdicts(_config(path, data_types__grad_accum_dtype="fp32"), _status())["skipped-step"] == ("yes", "yes")
@@ -102,13 +104,16 @@ def test_upstream_s_own_fix_means_not_affected():
 @pytest.mark.parametrize("env, code", [({}, 0), ({
     "DS_OFFLOAD_PATCH_SKIPPED_STEP": "0"
 }, 1), ({
+    "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+}, 1), ({
     "DS_OFFLOAD_PATCH_DISABLE": "1"
 }, 1)])
 def test_the_command_s_exit_code_is_a_gate(env, code):
     """On the installed DeepSpeed: 0 only when every defect the job has is fixed here by default."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    if not hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer") and env:
-        code = 1 if "DS_OFFLOAD_PATCH_DISABLE" in env else 0  # before 0.19.8: no freeze to fix
+    if not hasattr(DeepSpeedZeroOptimizer,
+                   "_use_compact_grad_partition_buffer") and "DS_OFFLOAD_PATCH_SKIPPED_STEP" in env:
+        code = 0  # before 0.19.8: no freeze to fix
     result = run_command(CLI + ["affected", "--json", UPSTREAM], env=env)
     assert result.returncode == code, result
     report = json.loads(result.stdout[result.stdout.index("{"):])

@@ -18,6 +18,7 @@ from unit.common import HANG_GUARD_S, assert_ok, run_command
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
 TENSORS = 40  # ci/smoke_train.py's default: 20 Linear layers, 20 tensors in each rank's partition
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
+WHOLE_STEP_BUDGET = 10  # host syncs per rank and optimizer step, patched, at any size (bench, test_offload_grad_norm)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ci",
                       "smoke_train.py")
@@ -105,11 +106,15 @@ def test_an_audited_run_trains_exactly_like_an_unaudited_one(script, tmp_path):
     # DeepSpeed 0.14.0 - 0.17.0 fail in step() on a bad bf16 gradient, patched or not: no NaN there.
     nan = bad_gradients_survive("bf16")
     common = [*TORCHRUN, "--steps", "3", "--nan-step", "1" if nan else "-1"]
-    audited = launched(
-        ["audit", "--steps", "2", "--max-backward-syncs", "--", *common, "--save",
-         str(tmp_path / "audited")],
-        script,
-        env=env)
+    # The whole step (forward, backward, step()) within a budget far below the rank's TENSORS / 2 tensors: with the
+    # defaults, step() reads no gradient norm per tensor either.
+    audited = launched([
+        "audit", "--steps", "2", "--max-backward-syncs", "--max-total-syncs",
+        str(WHOLE_STEP_BUDGET), "--", *common, "--save",
+        str(tmp_path / "audited")
+    ],
+                       script,
+                       env=env)
     plain = assert_ok(launched(["run", "--", *common, "--save", str(tmp_path / "plain")], script, env=env))
     assert f"rank 0 done: 3 steps, {int(nan)} skipped" in plain, plain
     for rank in (0, 1):
@@ -119,7 +124,7 @@ def test_an_audited_run_trains_exactly_like_an_unaudited_one(script, tmp_path):
         different = [name for name in without if not torch.equal(with_audit[name], without[name])]
         assert not different, f"rank {rank}: {different}"
     output = assert_ok(audited)
-    assert "audit: OK: every rank within --max-backward-syncs 0" in output
+    assert f"audit: OK: every rank within --max-backward-syncs 0 --max-total-syncs {WHOLE_STEP_BUDGET}" in output
 
 
 def test_a_command_without_a_deepspeed_step_fails_the_audit(tmp_path):
@@ -169,6 +174,18 @@ def test_budgets_name_the_worst_step_of_each_rank_and_phase():
     assert [(v.phase, v.rank, v.step, v.count) for v in violations] == [("step", 0, 1, 3), ("step", 1, 2, 4)]
     assert "step(): rank 1 made 4 host syncs in optimizer step 2 (budget 2)" in str(violations[1])
     assert audit_report.check_budgets(reports, {"max_backward_syncs": 7, "max_step_syncs": None}) == []
+
+
+def test_the_whole_step_is_the_sum_of_the_phases_and_has_its_budget():
+    reports = [report(0, [0, 0], [3, 3]), report(1, [0, 7], [3, 4], lines=[("a.py:1 (x)", 10)])]
+    violations = audit_report.check_budgets(reports, {"max_total_syncs": 10})
+    assert [(v.phase, v.rank, v.step, v.count) for v in violations] == [("whole_step", 1, 2, 11)]
+    assert str(violations[0]) == ("whole step: rank 1 made 11 host syncs in optimizer step 2 (budget 10); top lines: "
+                                  "10  a.py:1 (x)  aten.item"), str(violations[0])
+    assert audit_report.check_budgets(reports, {"max_total_syncs": 11}) == []
+    printed = audit_report.table(reports).splitlines()
+    assert printed[2].split()[-2:] == ["whole", "step"], printed[2]
+    assert printed[4].split() == ["1", "0", "0", "0", "7", "0", "0", "3", "4", "3", "11"], printed[4]
 
 
 def fake_engine_class():
@@ -242,7 +259,7 @@ def test_each_call_counts_in_its_phase_and_counting_stops_after_the_steps(audit_
     assert top["count"] == 6 and top["op"] == "aten._local_scalar_dense" and "bool(loss > 0)" in top["line"], top
     assert json.loads((tmp_path / "report.json").read_text())["ranks"] == [rank0]
     printed = capsys.readouterr().out
-    assert re.search(r"^ +0 +0 +0 +3 +3 +1 +1 +1 +1$", printed, re.M), printed
+    assert re.search(r"^ +0 +0 +0 +3 +3 +1 +1 +1 +1 +5 +5$", printed, re.M), printed
 
 
 def test_on_several_nodes_no_rank_waits_for_the_others(audit_state, tmp_path, monkeypatch, capsys):
@@ -280,7 +297,7 @@ def test_cuda_counts_come_from_a_profiler_around_each_call(audit_state, monkeypa
     train(engine_class, steps=2)
     report = auditor._state.report(0, 1)
     assert report["cuda_syncs"] == [{phase: 0 for phase in auditor.PHASES}] * 2 and len(started) == 12
-    assert re.search(r"^cuda( +0){8}$", audit_report.table([report]), re.M), audit_report.table([report])
+    assert re.search(r"^cuda( +0){10}$", audit_report.table([report]), re.M), audit_report.table([report])
 
 
 def test_no_second_profiler_while_the_runs_own_is_on():

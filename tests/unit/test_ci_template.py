@@ -69,10 +69,10 @@ def test_the_gate_job_passes_on_the_installed_deepspeed(name, repo):
 @pytest.mark.equivalence
 @pytest.mark.parametrize("layers, disabled", [(20, False), (250, False), (250, True)])
 def test_the_audit_job_passes_patched_and_fails_unpatched_whatever_the_size(layers, disabled, repo, tmp_path):
-    """Budgets that do not depend on the model: 40 and 500 tensors pass patched; 500 fail with the patch disabled,
-    naming the boundary backward and DeepSpeed's line."""
+    """Budgets that do not depend on the model: 40 and 500 tensors pass patched, the whole step included; 500 fail
+    with the patch disabled, naming the boundary backward and DeepSpeed's line, and the whole step."""
     args, env = command("audit")
-    assert "--max-step-syncs" not in args, args  # step() grows with the model; the template must not budget it
+    assert "--max-total-syncs" in args, args  # with the defaults, a whole step's count does not grow with the model
     report = tmp_path / "audit.json"
     args = [report if arg == "ds-offload-patch-audit.json" else arg for arg in args] + ["--layers", str(layers)]
     if disabled:
@@ -88,11 +88,14 @@ def test_the_audit_job_passes_patched_and_fails_unpatched_whatever_the_size(laye
             assert re.search(
                 rf"FAIL: boundary backward: rank {rank} made {tensors // 2} host syncs in optimizer step \d "
                 rf"\(budget 0\); top lines: +\d+ +deepspeed/runtime/zero/stage_1_and_2\.py:\d+ ", output), output
+            assert re.search(rf"FAIL: whole step: rank {rank} made \d+ host syncs in optimizer step \d \(budget 10\)",
+                             output), output
     else:
         assert result.returncode == 0, output
         for r in ranks:
             assert r["patch_state"] == "applied" and r["complete"], r
             assert [step["boundary_backward"] for step in r["steps"]] == [0, 0], r
+            assert all(sum(step.values()) <= 10 for step in r["steps"]), r
 
 
 def test_the_upstream_watch_passes_on_the_newest_release(tmp_path):

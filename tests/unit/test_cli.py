@@ -72,7 +72,9 @@ def test_status_json_is_stable():
         "reset_cpu_buffers": "patchable",
         "step": "patchable"
     } if status["skipped_step"] == "applied" else {}
-    assert status["methods"] == {**fix, **skipped_step}, status
+    grad_norm = {"complete_grad_norm_calculation_for_cpu_offload": "patchable"}
+    assert status["grad_norm_on_device"] == "applied", status
+    assert status["methods"] == {**fix, **skipped_step, **grad_norm}, status
 
 
 def test_status_is_readable():

@@ -130,24 +130,30 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
 
 
 @pytest.mark.parametrize(
-    "switch, state, after_apply, means",
-    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "treating it as 1, which leaves DeepSpeed"),
-     ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "treating it as 0, so the on-device"),
-     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "treating it as 0, so importing the "
-      "package patches nothing"), ("DS_OFFLOAD_PATCH_STRICT", "applied", "applied", "treating it as 0, not strict")])
-def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, after_apply, means):
-    """The warning's reading is the one the package then follows (an odd STRICT patches, as 0 does)."""
+    "switch, state, after_apply, norm, means",
+    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "off", "treating it as 1, which leaves DeepSpeed"),
+     ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "off", "treating it as 0, so the on-device gradient norm "
+      "is left out"),
+     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "off", "treating it as 0, so importing the "
+      "package patches nothing"),
+     ("DS_OFFLOAD_PATCH_STRICT", "applied", "applied", "applied", "treating it as 0, not strict")])
+def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, after_apply, norm, means):
+    """The warning's reading is the one the package then follows (an odd STRICT patches, as 0 does; an odd GRAD_NORM
+    leaves the grad norm out, as 0 does)."""
     output = run(
         f"""
         import deepspeed_offload_patch as dop
         import deepspeed
         status = dop.status()
-        assert status.state == "{state}" and status.grad_norm_on_device == "off", status
+        assert status.state == "{state}" and status.grad_norm_on_device == "{norm}", status
         assert is_ours(target()) == (status.state == "applied")
-        assert dop.apply().state == "{after_apply}"  # (AUTO leaves apply() working)
+        after = dop.apply()
+        assert after.state == "{after_apply}", after  # (AUTO leaves apply() working)
         from deepspeed_offload_patch import grad_norm
-        assert target().__dict__["complete_grad_norm_calculation_for_cpu_offload"] is not grad_norm.REPLACEMENTS[
-            "complete_grad_norm_calculation_for_cpu_offload"][0][1]
+        name = "complete_grad_norm_calculation_for_cpu_offload"
+        installed = target().__dict__[name] in [form for _, form in grad_norm.REPLACEMENTS[name]]
+        assert installed == (after.grad_norm_on_device == "applied"), after
+        assert installed == ("{switch}" in ("DS_OFFLOAD_PATCH_STRICT", "DS_OFFLOAD_PATCH_AUTO")), after
     """, **{switch: "maybe"})
     lines = warnings_in(output)
     assert len(lines) == 1 and f"{switch}='maybe' is neither 0 nor 1" in lines[0] and means in lines[0], output
@@ -217,8 +223,10 @@ def test_a_newer_release_with_a_known_form_is_patched_with_one_info_line_per_cha
         status = dop.status()
         assert status.state == "applied" and dop.is_applied(), status
         assert "DeepSpeed 0.20.0.dev0 is newer than the releases tested" in status.reason, status
-        # One line for the fix, one for the skipped-step fix where it applies (0.19.8's code): each says so.
-        changes = 2 if status.skipped_step == "applied" else 1
+        # One line for the fix, one for the grad norm, one for the skipped-step fix where it applies (0.19.8's code):
+        # each says so.
+        assert status.grad_norm_on_device == "applied", status
+        changes = 3 if status.skipped_step == "applied" else 2
         assert len(calls) == changes and all(level == "INFO" for level, _ in calls), calls
         assert "newer than the releases tested" in calls[0][1] and "unfixed form of DeepSpeed" in calls[0][1], calls
         assert all("newer than the releases tested" in message for _, message in calls), calls

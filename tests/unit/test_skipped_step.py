@@ -176,9 +176,10 @@ def _states(**env):
 
 @needs_buffer
 def test_on_by_default_and_each_switch_does_what_it_says():
-    assert _states()[0] == ["applied", "applied", "off", "True"]
-    assert _states(DS_OFFLOAD_PATCH_SKIPPED_STEP="0")[0] == ["applied", "off", "off", "False"]
-    # Exactly the upstream change: neither this fix nor the opt-in, whatever their own switches say.
+    assert _states()[0] == ["applied", "applied", "applied", "True"]
+    assert _states(DS_OFFLOAD_PATCH_SKIPPED_STEP="0")[0] == ["applied", "off", "applied", "False"]
+    assert _states(DS_OFFLOAD_PATCH_GRAD_NORM="0")[0] == ["applied", "applied", "off", "True"]
+    # Exactly the upstream change: neither this fix nor the grad norm, whatever their own switches say.
     assert _states(DS_OFFLOAD_PATCH_UPSTREAM_ONLY="1",
                    DS_OFFLOAD_PATCH_SKIPPED_STEP="1",
                    DS_OFFLOAD_PATCH_GRAD_NORM="1")[0] == ["applied", "off", "off", "False"]

@@ -1,6 +1,6 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The opt-in on-device gradient norm (``apply(grad_norm_on_device=True)`` / ``DS_OFFLOAD_PATCH_GRAD_NORM=1``).
+"""The on-device gradient norm (on by default; ``DS_OFFLOAD_PATCH_GRAD_NORM=0`` leaves it out).
 
 It must give the same bits as DeepSpeed's Python loop (so clipping and parameters are identical) and take the
 host reads in ``step()`` off the number of parameter tensors, in both of DeepSpeed's forms of the method (a float32
@@ -19,7 +19,7 @@ from unit.common import DistributedTest
 
 
 def _deepspeed_original():
-    """DeepSpeed's own method, whether or not the opt-in is applied in this process."""
+    """DeepSpeed's own method, whether or not the grad norm is applied in this process."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
     name = "complete_grad_norm_calculation_for_cpu_offload"
@@ -105,18 +105,18 @@ def _train(num_tensors: int, steps: int):
 
 
 UNPATCHED = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_GRAD_NORM": "0"}
-OPT_IN = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
+DEFAULTS = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": ""}  # empty: the default (on)
 
 
 @pytest.mark.equivalence
 def test_training_with_clipping_is_bit_identical_to_unpatched():
     runs = {
         name: run_distributed(_train, 2, args=(24, 4), env=env)
-        for name, env in (("unpatched", UNPATCHED), ("opt-in", OPT_IN))
+        for name, env in (("unpatched", UNPATCHED), ("patched", DEFAULTS))
     }
     # upstream-fixed: DeepSpeed's file already has the on-device norm (the matrix runs this on the diff alone).
-    assert all(r["state"] in deepspeed_offload_patch.GOOD_STATES for r in runs["opt-in"]), runs["opt-in"]
-    for before, after in zip(runs["unpatched"], runs["opt-in"]):
+    assert all(r["state"] in deepspeed_offload_patch.GOOD_STATES for r in runs["patched"]), runs["patched"]
+    for before, after in zip(runs["unpatched"], runs["patched"]):
         assert after["norms"] == before["norms"] and min(before["norms"]) > 0.05, "clipping must be active"
         for name, value in before["params"].items():
             assert torch.equal(after["params"][name], value), name
@@ -127,6 +127,26 @@ class TestStepSyncs(DistributedTest):
 
     @pytest.mark.fails_unpatched
     def test_step_syncs_do_not_grow_with_the_tensors(self):
-        deepspeed_offload_patch.apply(grad_norm_on_device=True)
+        assert deepspeed_offload_patch.apply().grad_norm_on_device in deepspeed_offload_patch.GOOD_STATES  # default
         counts = {n: _train(n, 2)["syncs"][-1] for n in (16, 64)}
         assert counts[16] == counts[64], f"step() host syncs by parameter tensors: {counts}"
+
+    @pytest.mark.fails_unpatched
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_a_whole_optimizer_step_makes_the_same_syncs_at_any_size(self, stage):
+        """Every micro-step's forward and backward and every step() of one optimizer step (accumulation 2), with the
+        package's defaults: the count is a constant, whatever the number of parameter tensors."""
+        deepspeed_offload_patch.apply()
+        counts = {n: _whole_step_syncs(n, stage) for n in (16, 64)}
+        assert counts[16] == counts[64], f"host syncs per optimizer step by parameter tensors: {counts}"
+
+
+def _whole_step_syncs(num_tensors: int, stage: int) -> int:
+    """Host syncs in this rank's second optimizer step (the first builds DeepSpeed's buffers)."""
+    engine = make_engine(num_tensors, config=ds_config(stage=stage, grad_accum=2))
+    for step in range(2):
+        with count_host_syncs() as counter:
+            for micro in range(2):
+                engine.backward(engine(batch(engine, 2 * step + micro)))
+                optimizer_step(engine)
+    return counter.total
