@@ -3,8 +3,8 @@
 """On a DeepSpeed the package does not know (a release before the supported range, or code that matches no known
 form, such as the ``truth-test`` variant of ``ci/noxfile.py``: a tracker that still reads the host in a new way): the
 import leaves the fix's methods untouched, with one WARNING naming the installed version and why, ``status()`` says
-``unsupported`` and the gate fails. (The skipped-step fix decides on its own methods: on ``truth-test``, whose
-``step()`` and ``reset_cpu_buffers`` are 0.19.8's, it applies.)
+``unsupported`` and the gate fails. (The skipped-step fix and the grad norm decide on their own methods: on
+``truth-test``, whose ``step()``, ``reset_cpu_buffers`` and grad norm are 0.19.8's, they apply.)
 
 Not in the default suite (``testpaths`` is ``tests/unit``): it needs such a DeepSpeed installed. ``ci/noxfile.py``
 runs it in the sessions of such builds.
@@ -25,14 +25,16 @@ def test_old_release_is_left_untouched_with_one_warning():
         assert status.state == "unsupported", status
         assert not dop.is_applied()
         cls = stage_1_and_2.DeepSpeedZeroOptimizer
-        # The fix's methods (and the grad norm's) stay DeepSpeed's own. The skipped-step fix decides on methods of its
-        # own: where they are a known form (truth-test keeps 0.19.8's) it applies, and says so in its own state.
+        # The fix's methods stay DeepSpeed's own. The skipped-step fix and the grad norm decide on methods of their
+        # own: where those are a known form (truth-test keeps 0.19.8's) they apply, and say so in their own states.
         skipped_step = set(guard.SKIPPED_STEP.methods) if status.skipped_step == "applied" else set()
-        for name in set(guard.ALL_METHODS + ("update_overflow_tracker_for_param_grad", )) - skipped_step:
+        grad_norm = set(guard.GRAD_NORM.methods) if status.grad_norm_on_device == "applied" else set()
+        for name in set(guard.ALL_METHODS + ("update_overflow_tracker_for_param_grad", )) - skipped_step - grad_norm:
             func = cls.__dict__.get(name)
             assert func is None or func.__code__.co_filename == stage_1_and_2.__file__, name
             assert all(func is not ours for _, ours in guard.replacements(name)), name
         assert status.skipped_step in ("applied", "not-needed", "unsupported"), status
+        assert status.grad_norm_on_device in ("applied", "unsupported"), status
         print("version", deepspeed.__version__, "version")
     """)
     output = result.stdout + result.stderr
