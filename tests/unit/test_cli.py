@@ -242,3 +242,18 @@ def test_grad_norm_diff_is_seen_as_fixed(tmp_path, deepspeed_dir):
     assert_ok(result)
     status = json.loads(result.stdout)
     assert status["state"] == "applied" and status["grad_norm_on_device"] == "upstream-fixed", status
+
+
+def test_the_gate_fails_on_a_default_change_that_cannot_apply():
+    """``check``'s exit code covers every change that is on: the grad norm and the skipped-step fix too."""
+    from deepspeed_offload_patch.cli import status_exit_code
+    from deepspeed_offload_patch.patcher import PatchStatus
+
+    def status(grad_norm="applied", skipped_step="applied"):
+        return PatchStatus("applied", "0.19.8", "", {}, grad_norm, "", skipped_step, "")
+
+    assert status_exit_code(status()) == 0
+    assert status_exit_code(status(grad_norm="off")) == 0  # switched off by its user
+    assert status_exit_code(status(grad_norm="unsupported")) == 1
+    assert status_exit_code(status(grad_norm="conflict")) == 3
+    assert status_exit_code(status(skipped_step="unsupported")) == 1
