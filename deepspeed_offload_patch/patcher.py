@@ -168,23 +168,22 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
         if cls is None:
             missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
             status = _set(*missing,
-                          grad_norm=missing if grad_norm else _grad_norm_off(),
-                          skipped_step=missing if skipped_step else _skipped_step_off())
+                          grad_norm=missing if grad_norm else _left_out(settings.GRAD_NORM),
+                          skipped_step=missing if skipped_step else _left_out(settings.SKIPPED_STEP))
         else:
             form = fix_for(cls)
             fix = _apply_set(cls, form)
             methods = dict(fix.methods)
-            norm = _grad_norm_off()
-            if grad_norm:
-                found = _apply_set(cls, GRAD_NORM)
-                methods.update(found.methods)
-                norm = (found.state, found.reason)
-            skipped = _skipped_step_off()
-            if skipped_step:
-                found = _apply_set(cls, SKIPPED_STEP)
-                methods.update(found.methods)
-                skipped = (found.state, found.reason)
-            status = _set(fix.state, fix.reason, methods, grad_norm=norm, skipped_step=skipped)
+            states = {}
+            for name, patch_set, on, switch in (("grad_norm", GRAD_NORM, grad_norm, settings.GRAD_NORM),
+                                                ("skipped_step", SKIPPED_STEP, skipped_step, settings.SKIPPED_STEP)):
+                if on:
+                    found = _apply_set(cls, patch_set)
+                    methods.update(found.methods)
+                    states[name] = (found.state, found.reason)
+                else:
+                    states[name] = _left_out(switch)
+            status = _set(fix.state, fix.reason, methods, **states)
     _report("the offload overflow flag fix", status.state, status.reason, strict)
     # One message per cause: a DeepSpeed that the changes refuse for the same reason (its version) is said once.
     if grad_norm and (status.grad_norm_on_device, status.grad_norm_reason) != (status.state, status.reason):
@@ -194,15 +193,9 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
     return status
 
 
-def _grad_norm_off() -> tuple:
-    """The on-device grad norm's state when its switches leave it out."""
-    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{settings.GRAD_NORM}=0"
-    return (OFF, f"{which}: left out")
-
-
-def _skipped_step_off() -> tuple:
-    """The skipped-step fix's state when its switches leave it out."""
-    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{settings.SKIPPED_STEP}=0"
+def _left_out(switch: str) -> tuple:
+    """The state of a default-on change that its switch (or ``UPSTREAM_ONLY``) leaves out."""
+    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{switch}=0"
     return (OFF, f"{which}: left out")
 
 
