@@ -16,6 +16,22 @@ def read(*parts: str) -> str:
         return f.read()
 
 
+def index_page(markdown: str) -> str:
+    """README as an index page shows it. A link to a file of this project or to a heading works in a checkout, not on
+    an index page: it becomes its text, with the path beside it; a last line says where those files are."""
+
+    def plain(match: "re.Match[str]") -> str:
+        text, target = match.group(1), match.group(2)
+        if target.startswith("#"):
+            return text
+        path = target.split("#")[0]
+        return text if path.strip("`") in text else f"{text} (`{path}`)"
+
+    where = ("\n\nThe paths above name files of the source distribution: "
+             "`pip download --no-deps --no-binary :all: deepspeed-offload-patch`.\n")
+    return re.sub(r"\[([^\]]+)\]\((?!https?://|mailto:)([^)\s]+)\)", plain, markdown).rstrip("\n") + where
+
+
 # The one place for the version: deepspeed_offload_patch/__init__.py.
 VERSION = re.search(r'^__version__ = "([^"]+)"', read("deepspeed_offload_patch", "__init__.py"), re.M).group(1)
 
@@ -38,7 +54,7 @@ setup(
     name="deepspeed-offload-patch",
     version=VERSION,
     description="Keeps DeepSpeed's ZeRO-1/2 offload overflow flag on the device: no host sync per gradient",
-    long_description=read("README.md"),
+    long_description=index_page(read("README.md")),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     license_files=["LICENSE"],
@@ -55,7 +71,11 @@ setup(
     install_requires=["deepspeed>=0.14.0", "torch", "packaging>=20.0"],
     extras_require={
         "bench": ["matplotlib"],
-        "dev": ["pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build", "twine"],
+        # check-manifest: the sdist against git's file list; pypiserver: the index the release rehearsal uploads to.
+        "dev": [
+            "pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build", "twine", "check-manifest",
+            "pypiserver"
+        ],
     },
     entry_points={
         "console_scripts": ["ds-offload-patch=deepspeed_offload_patch.cli:main"],
