@@ -46,7 +46,8 @@ def pytest_configure(config) -> None:
     _asked = bool(config.getoption("ds_offload_patch") or config.getini(INI))
     if _asked:
         import deepspeed_offload_patch as dop
-        if dop.status().state == "not-applied":  # imported earlier without patching
+        from deepspeed_offload_patch.states import State
+        if dop.status().state == State.NOT_APPLIED:  # imported earlier without patching
             dop.install()
 
 

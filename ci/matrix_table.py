@@ -21,6 +21,9 @@ import sys
 from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from deepspeed_offload_patch.states import State  # noqa: E402
+
 REPORTS = os.path.join(ROOT, "reports", "matrix")
 START, END = "<!-- matrix:start -->", "<!-- matrix:end -->"
 LAYOUTS = os.path.join(ROOT, "reports", "layouts")
@@ -46,8 +49,8 @@ def passed(result: dict) -> bool:
     ok = ok and result.get("red_green", "pass") == "pass"
     ok = ok and result.get("watch", {}).get("as_expected", True)
     if "diff_tests" in result:
-        ok = (ok and result["diff_state"] == "upstream-fixed"
-              and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", "upstream-fixed")
+        ok = (ok and result["diff_state"] == State.UPSTREAM_FIXED
+              and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", State.UPSTREAM_FIXED)
               and result.get("diff_skipped_step_state") == result.get("diff_skipped_step_expected")
               and result["diff_tests"]["failed"] == 0)
     return bool(ok)
@@ -85,7 +88,7 @@ def kept_rows(old_table: str, rerun: set) -> list:
         if len(cells) < 7 or not cells[0][:1].isdigit():
             continue
         if len(cells) == 7:
-            if cells[1] == "unsupported":
+            if cells[1] == State.UNSUPPORTED:
                 continue
             cells = [cells[0], "PyPI", cells[1], cells[2], "–", *cells[3:]]
         if len(cells) == 9:

@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
+from deepspeed_offload_patch.states import State  # noqa: E402
 from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
 
 # nox finds an interpreter by its version on PATH; pyenv's shims there do not run a version that is not active, so
@@ -62,19 +63,19 @@ RED_GREEN = ("0.16.9", )
 # DeepSpeed built from 0.19.8's own sdist with changes: (version.txt, what is done to stage_1_and_2.py, the state the
 # package must report). The CI set is the first three.
 VARIANTS = {
-    "0.19.9": ("0.19.9", None, "applied"),
-    "truth-test": ("0.19.9", "truth-test", "unsupported"),
-    "fixed-differently": ("0.20.0", "fixed-differently", "upstream-fixed"),
-    "0.20.0.dev0": ("0.20.0.dev0", None, "applied"),
+    "0.19.9": ("0.19.9", None, State.APPLIED),
+    "truth-test": ("0.19.9", "truth-test", State.UNSUPPORTED),
+    "fixed-differently": ("0.20.0", "fixed-differently", State.UPSTREAM_FIXED),
+    "0.20.0.dev0": ("0.20.0.dev0", None, State.APPLIED),
 }
 # The skipped-step fix's state each must report (its step() and reset_cpu_buffers are 0.19.8's but in
 # fixed-differently, whose step() drops the compact buffers itself).
-VARIANT_SKIPPED_STEP = {"fixed-differently": "upstream-fixed"}
+VARIANT_SKIPPED_STEP = {"fixed-differently": State.UPSTREAM_FIXED}
 
 
 def skipped_step_expected(release: str) -> str:
     """The skipped-step fix's state on a PyPI release: the defect came with 0.19.8's compact gradient buffer."""
-    return "applied" if Version(release) >= Version("0.19.8") else "not-needed"
+    return State.APPLIED if Version(release) >= Version("0.19.8") else State.NOT_NEEDED
 
 
 # Releases that do not import with torch 2.13.0 (their elastic agent imports torch's _get_socket_with_port, which torch
@@ -180,7 +181,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     _install(session, deepspeed)
     session.chdir(ROOT)
     status = _status(session, env=CLEAN)
-    result = {"release": deepspeed, "state": status["state"], "expected": "applied"}
+    result = {"release": deepspeed, "state": status["state"], "expected": State.APPLIED}
     result.update(skipped_step=status["skipped_step"], skipped_step_expected=skipped_step_expected(deepspeed))
     result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
     if "smoke" in profiles:
@@ -365,14 +366,14 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     status = _status(session, env=CLEAN)
     result.update(state=status["state"],
                   skipped_step=status["skipped_step"],
-                  skipped_step_expected=VARIANT_SKIPPED_STEP.get(kind, "applied"))
-    result["watch"] = _watch(session, kind, should_pass=expected != "unsupported")
-    if expected == "applied":
+                  skipped_step_expected=VARIANT_SKIPPED_STEP.get(kind, State.APPLIED))
+    result["watch"] = _watch(session, kind, should_pass=expected != State.UNSUPPORTED)
+    if expected == State.APPLIED:
         if profile == "smoke":
             result.update(_smoke(session, kind))
         else:
             result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
-    elif expected == "upstream-fixed":
+    elif expected == State.UPSTREAM_FIXED:
         session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
         # The package patches nothing of the fix here: the tests run on DeepSpeed's own fixed code. (The equivalence
         # tests would compare that code with itself.) CI (lite) runs the boundary-backward sync tests; the on-demand
@@ -441,12 +442,12 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
         disabled = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_STRICT": "0"}
         enabled = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
         status = _status(session, env=enabled)
-        grad_norm_expected = "upstream-fixed"
+        grad_norm_expected = State.UPSTREAM_FIXED
         return {
             "diff_skipped_step_state":
             status["skipped_step"],
             "diff_skipped_step_expected":
-            "upstream-fixed" if Version(deepspeed) >= Version("0.19.8") else "not-needed",
+            State.UPSTREAM_FIXED if Version(deepspeed) >= Version("0.19.8") else State.NOT_NEEDED,
             "diff_state":
             status["state"],
             "diff_grad_norm_state":
@@ -511,7 +512,7 @@ def pythons(session: nox.Session) -> None:
         session.install(f"deepspeed=={deepspeed}", "pytest", "packaging")
         session.install("--no-deps", "--force-reinstall", wheel)
         session.chdir(outside)  # the checkout is not on sys.path: the installed wheel is what runs
-        result = {"release": deepspeed, "package": "wheel", "expected": "applied"}
+        result = {"release": deepspeed, "package": "wheel", "expected": State.APPLIED}
         status = _status(session, env=CLEAN)
         result.update(state=status["state"],
                       skipped_step=status["skipped_step"],
@@ -579,11 +580,11 @@ def states(session: nox.Session) -> None:
         status = _status(session, env=CLEAN)
         found[version] = {
             "state": status["state"],
-            "expected": "applied",
+            "expected": State.APPLIED,
             "skipped_step": status["skipped_step"],
             "skipped_step_expected": skipped_step_expected(version),
             "grad_norm": status.get("grad_norm_on_device"),
-            "grad_norm_expected": "applied",
+            "grad_norm_expected": State.APPLIED,
             "torch": torch[0].split("==")[1],
         }
         session.log(f"DeepSpeed {version}: {found[version]}")

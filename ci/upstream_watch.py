@@ -18,9 +18,11 @@ import subprocess
 import sys
 from typing import Dict, List, Tuple
 
-GOOD = ("applied", "upstream-fixed")
-# The skipped-step fix (on by default) where it is in effect or not needed; "off" only by the environment's choice.
-SKIPPED_STEP_GOOD = ("applied", "upstream-fixed", "not-needed", "off")
+from deepspeed_offload_patch.states import State
+
+GOOD = (State.APPLIED, State.UPSTREAM_FIXED)
+# The skipped-step fix (on by default) where it is in effect or not needed; off only by the environment's choice.
+SKIPPED_STEP_GOOD = (State.APPLIED, State.UPSTREAM_FIXED, State.NOT_NEEDED, State.OFF)
 TEMPLATE = "ci/templates/upstream-watch.yml"
 
 
@@ -76,7 +78,7 @@ def main() -> int:
     if state not in GOOD:
         new = fingerprints(found.get("methods", {}))
         problems.append(f"state {state}: {found['reason']}" + (f"; new forms: {', '.join(new)}" if new else ""))
-    skipped_step = found.get("skipped_step", "off")
+    skipped_step = found.get("skipped_step", State.OFF)
     if skipped_step not in SKIPPED_STEP_GOOD:
         problems.append(f"the skipped-step fix {skipped_step}: {found.get('skipped_step_reason', '')}")
     else:

@@ -112,7 +112,7 @@ def _offloaded(job: Job) -> str:
 
 def findings(job: Job, status) -> List[Finding]:
     """The three defects for ``job`` on the DeepSpeed that ``status`` (the package's :class:`PatchStatus`) describes."""
-    from deepspeed_offload_patch.patcher import GOOD_STATES, NOT_NEEDED, UPSTREAM_FIXED
+    from deepspeed_offload_patch.states import GOOD_STATES, State
 
     version = status.deepspeed_version or "(not installed)"
     offloaded = _offloaded(job)
@@ -122,7 +122,7 @@ def findings(job: Job, status) -> List[Finding]:
     # The per-gradient host syncs: every ZeRO-1/2 offload job on a DeepSpeed with the defect.
     if offloaded == NO:
         found.append(Finding("host-sync", NO, where, "-", f"the overflow flag fix: {status.state}"))
-    elif status.state == UPSTREAM_FIXED:
+    elif status.state == State.UPSTREAM_FIXED:
         found.append(
             Finding("host-sync", NO, f"DeepSpeed {version} has the fix", "-", "the overflow flag fix: "
                     f"{status.state}"))
@@ -142,11 +142,11 @@ def findings(job: Job, status) -> List[Finding]:
         why = where if offloaded == NO else ("gradients accumulate in the precision's dtype"
                                              if not separate else "this precision does not skip steps for an inf/NaN")
         found.append(Finding("skipped-step", NO, why, "-", change))
-    elif status.skipped_step in (NOT_NEEDED, UPSTREAM_FIXED):
+    elif status.skipped_step in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
         found.append(Finding("skipped-step", NO, f"DeepSpeed {version}: {status.skipped_step}", "-", change))
     else:
         affected = MAYBE if MAYBE in (offloaded, skips) else YES
-        fixed = YES if status.skipped_step == "applied" else NO
+        fixed = YES if status.skipped_step == State.APPLIED else NO
         found.append(
             Finding("skipped-step", affected, f"{where}, fp32 gradient accumulation under {job.precision}", fixed,
                     change))

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List
 import torch
 
 from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step
 
@@ -399,7 +400,7 @@ def main(argv=None) -> int:
     growing = _growing_whole_steps(results["patched+grad-norm"])
     for line in growing:
         print(f"FAIL: patched with the on-device grad norm, the whole step's host syncs grow with N: {line}")
-    not_patched = [v for v in ("patched", "patched+grad-norm") if results[v][0]["state"] != "applied"]
+    not_patched = [v for v in ("patched", "patched+grad-norm") if results[v][0]["state"] != State.APPLIED]
     for variant in not_patched:
         print(f"FAIL: the {variant} run was not patched ({results[variant][0]['state']})")
     return 1 if bad or growing or not_patched else 0

@@ -27,12 +27,14 @@ import platform
 import sys
 from typing import List, Optional
 
+from deepspeed_offload_patch.states import GOOD_STATES, GRAD_NORM_GOOD_STATES, SKIPPED_STEP_GOOD_STATES, State
+
 #: Exit codes for the states that are not good (see GOOD_STATES, which exit 0).
 EXIT = {
-    "unsupported": 1,
-    "conflict": 3,
-    "deepspeed-missing": 4,
-    "disabled": 5,
+    State.UNSUPPORTED: 1,
+    State.CONFLICT: 3,
+    State.DEEPSPEED_MISSING: 4,
+    State.DISABLED: 5,
 }
 
 #: The exit codes of ``check`` and ``status``, as their ``--help`` says them.
@@ -41,11 +43,11 @@ EXIT_TEXT = ("0 fix active (applied or upstream-fixed) and the skipped-step fix 
              "reverted), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled")
 
 ADVICE = {
-    "unsupported": "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
+    State.UNSUPPORTED: "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
     "(`ds-offload-patch status` shows what the guard found)",
-    "conflict": "find the other patch that replaces these methods and drop one of the two",
-    "deepspeed-missing": "install DeepSpeed in this environment (torch first)",
-    "disabled": "unset DS_OFFLOAD_PATCH_DISABLE",
+    State.CONFLICT: "find the other patch that replaces these methods and drop one of the two",
+    State.DEEPSPEED_MISSING: "install DeepSpeed in this environment (torch first)",
+    State.DISABLED: "unset DS_OFFLOAD_PATCH_DISABLE",
 }
 
 
@@ -62,14 +64,14 @@ def resolve_status():
     import deepspeed_offload_patch as dop
     from deepspeed_offload_patch import patcher
 
-    if dop.status().state == patcher.PENDING:
+    if dop.status().state == State.PENDING:
         with contextlib.redirect_stdout(sys.stderr):
             try:
                 importlib.import_module(patcher.TARGET_MODULE)
             except Exception as exc:
                 # DeepSpeed itself can fail to import before its ZeRO module is reached (0.14.0 with a torch it
                 # predates), so the import hook never hears of it: report it the same way.
-                if dop.status().state == patcher.PENDING:
+                if dop.status().state == State.PENDING:
                     patcher._on_target_import_error(exc)
     return dop.status()
 
@@ -111,9 +113,8 @@ def _status_command(args) -> int:
     return status_exit_code(status)
 
 
-def exit_code(state: str) -> int:
+def exit_code(state: State) -> int:
     """The exit code of the fix's ``state`` alone (0 for a good state)."""
-    from deepspeed_offload_patch import GOOD_STATES
     return 0 if state in GOOD_STATES else EXIT.get(state, 1)
 
 
@@ -131,7 +132,6 @@ def status_exit_code(status) -> int:
 
 def _failing_part(status) -> Optional[tuple]:
     """``(state field, reason field, name, switch)`` of the first default-on change that is not in effect, or None."""
-    from deepspeed_offload_patch.patcher import GRAD_NORM_GOOD_STATES, SKIPPED_STEP_GOOD_STATES
     from deepspeed_offload_patch.settings import GRAD_NORM, SKIPPED_STEP
 
     if status.skipped_step not in SKIPPED_STEP_GOOD_STATES:

@@ -19,6 +19,7 @@ from typing import Any, Dict, List
 import torch
 
 from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
             failures.append(f"rank {rank}: {len(different)} parameters differ, first {different[0]}")
         if before["skipped"] != after["skipped"]:
             failures.append(f"rank {rank}: skipped steps {before['skipped']} unpatched, {after['skipped']} patched")
-        if any(after["boundary"]) or after["state"] != "applied":
+        if any(after["boundary"]) or after["state"] != State.APPLIED:
             failures.append(f"rank {rank}: patched run in state {after['state']} synced {after['boundary']}")
     n_params = len(runs["patched"][0]["params"])
     print(f"\nparameters after {args.steps} steps: " +

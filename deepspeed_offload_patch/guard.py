@@ -21,6 +21,7 @@ from packaging.version import InvalidVersion, Version
 from deepspeed_offload_patch.fingerprints import OWN, UNFIXED
 from deepspeed_offload_patch.releases import PATCHED_RELEASES
 from deepspeed_offload_patch.source_digest import digest_source, module_digests
+from deepspeed_offload_patch.states import State
 
 #: The releases the replacements were checked against (every release between the two ends). Compared on the release
 #: part of the version, so a local build of a release (``0.19.8+abc``) counts as that release.
@@ -82,9 +83,6 @@ def fix_methods(cls: type) -> Tuple[str, ...]:
     """The names of the fix's two methods on ``cls``: its tracker and ``has_overflow``."""
     return fix_for(cls).methods
 
-
-#: A patch set's state where the loaded DeepSpeed does not have the defect it fixes.
-NOT_NEEDED = "not-needed"
 
 # Per-method findings, reported by status().
 PATCHABLE = "patchable"  # DeepSpeed's own unfixed code, in a form with a known fingerprint
@@ -268,7 +266,7 @@ class Decision:
     """What the guard found: the state to report, why, each method's finding, and the replacements to install
     (only when the state is ``applied`` and the methods are not ours already)."""
 
-    state: str
+    state: State
     reason: str
     methods: Dict[str, str] = field(default_factory=dict)
     replacements: Dict[str, Callable] = field(default_factory=dict)
@@ -303,26 +301,26 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
     methods = {name: result for name, (result, _) in found.items()}
     results = set(methods.values())
     if results == {OURS}:
-        return Decision("applied", f"DeepSpeed {version}: already applied", methods)
+        return Decision(State.APPLIED, f"DeepSpeed {version}: already applied", methods)
     foreign = [name for name, result in methods.items() if result == FOREIGN]
     if results == {FIXED} or (methods[patch_set.methods[0]] == FIXED and not foreign):
-        return Decision("upstream-fixed", f"DeepSpeed {version} already has the fixed form of {patch_set.name}",
+        return Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version} already has the fixed form of {patch_set.name}",
                         methods)
     if foreign:
         owners = ", ".join(f"{name} (now {_owner(cls.__dict__[name])})" for name in foreign)
-        return Decision("conflict", f"{cls.__name__} methods already replaced by another patch: {owners}", methods)
+        return Decision(State.CONFLICT, f"{cls.__name__} methods already replaced by another patch: {owners}", methods)
     refused = _version_refused(version)
     if refused is not None:
-        return Decision("unsupported", refused, methods)
+        return Decision(State.UNSUPPORTED, refused, methods)
     odd = [f"{name}: {result}" for name, result in methods.items() if result != PATCHABLE]
     if odd and MISMATCH in results:
         problem = interpreter_problem()
         if problem:
-            return Decision("unsupported", f"{problem} ({', '.join(odd)}); DeepSpeed {version} is left unchanged",
+            return Decision(State.UNSUPPORTED, f"{problem} ({', '.join(odd)}); DeepSpeed {version} is left unchanged",
                             methods)
     if odd:
         return Decision(
-            "unsupported", f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
+            State.UNSUPPORTED, f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
     shipped = [UNFIXED[name][fingerprint(cls.__dict__[name])] for name in patch_set.methods]
     common = tuple(v for v in shipped[0] if all(v in releases for releases in shipped[1:])) or shipped[0]
@@ -331,7 +329,7 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
                   f"the unfixed form of DeepSpeed {_releases_text(common)}")
     else:
         reason = f"DeepSpeed {version}: the methods match a known unfixed form (DeepSpeed {_releases_text(common)})"
-    return Decision("applied", reason, methods, {name: replacement for name, (_, replacement) in found.items()})
+    return Decision(State.APPLIED, reason, methods, {name: replacement for name, (_, replacement) in found.items()})
 
 
 class _BufferGroup(list):
@@ -408,23 +406,24 @@ def inspect_skipped_step(cls: type, version: str) -> Decision:
     name, witness = SKIPPED_STEP.methods[0], SKIPPED_STEP.witnesses[0]
     refused = _version_refused(version)
     if refused is not None:
-        return Decision("unsupported", refused)
+        return Decision(State.UNSUPPORTED, refused)
     if not hasattr(cls, "_use_compact_grad_partition_buffer"):
         return Decision(
-            NOT_NEEDED, f"DeepSpeed {version} has no compact fp32 gradient partition buffer (added in 0.19.8): a "
+            State.NOT_NEEDED,
+            f"DeepSpeed {version} has no compact fp32 gradient partition buffer (added in 0.19.8): a "
             "skipped step leaves no gradient behind")
     found, replacement = classify_method(cls, name)
     step = cls.__dict__.get(witness)
     step_known = step is not None and fingerprint(step) in UNFIXED.get(witness, {})
     methods = {name: found, witness: PATCHABLE if step_known else (MISMATCH if step is not None else MISSING)}
     if found == OURS:
-        return Decision("applied", f"DeepSpeed {version}: already applied", methods)
+        return Decision(State.APPLIED, f"DeepSpeed {version}: already applied", methods)
     if found == FOREIGN:
         return Decision(
-            "conflict", f"{cls.__name__}.{name} already replaced by another patch (now "
+            State.CONFLICT, f"{cls.__name__}.{name} already replaced by another patch (now "
             f"{_owner(cls.__dict__[name])})", methods)
     if found == FIXED:
-        return Decision("upstream-fixed", f"DeepSpeed {version}: {name} is already the fixed form", methods)
+        return Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version}: {name} is already the fixed form", methods)
     if found == PATCHABLE and step_known:
         releases = UNFIXED[witness][fingerprint(step)]
         form = (f"step() and {name} match the form of DeepSpeed {_releases_text(releases)}, whose skipped steps keep "
@@ -433,18 +432,18 @@ def inspect_skipped_step(cls: type, version: str) -> Decision:
             reason = f"DeepSpeed {version} is newer than the releases tested ({FIRST} to {LAST}); its {form}"
         else:
             reason = f"DeepSpeed {version}: {form}"
-        return Decision("applied", reason, methods, {name: replacement})
+        return Decision(State.APPLIED, reason, methods, {name: replacement})
     problem = probe_skipped_step(cls)
     if problem is None:
         return Decision(
-            "upstream-fixed", f"DeepSpeed {version}: a skipped step leaves no gradient behind (its "
+            State.UPSTREAM_FIXED, f"DeepSpeed {version}: a skipped step leaves no gradient behind (its "
             "step() behaves as fixed)", methods)
     odd = ", ".join(f"{method}: {result}" for method, result in methods.items() if result != PATCHABLE)
     python = interpreter_problem() if MISMATCH in methods.values() else None
     if python:
-        return Decision("unsupported", f"{python} ({odd}); DeepSpeed {version} is left unchanged", methods)
+        return Decision(State.UNSUPPORTED, f"{python} ({odd}); DeepSpeed {version} is left unchanged", methods)
     return Decision(
-        "unsupported", f"DeepSpeed {version}: {cls.__name__}.step {problem}, in a form this fix was not built for "
+        State.UNSUPPORTED, f"DeepSpeed {version}: {cls.__name__}.step {problem}, in a form this fix was not built for "
         f"({odd})", methods)
 
 

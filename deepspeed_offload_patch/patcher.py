@@ -14,30 +14,11 @@ from typing import Callable, Dict, List, Optional
 
 from deepspeed_offload_patch import import_hook, settings
 from deepspeed_offload_patch.log import info_once, warn_once
+# GOOD_STATES: re-exported by the package (deepspeed_offload_patch.GOOD_STATES).
+from deepspeed_offload_patch.states import GOOD_STATES, State  # noqa: F401
 
 TARGET_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 TARGET_CLASS = "DeepSpeedZeroOptimizer"
-
-# States that status() reports.
-APPLIED = "applied"
-PENDING = "pending"
-UPSTREAM_FIXED = "upstream-fixed"
-UNSUPPORTED = "unsupported"
-CONFLICT = "conflict"
-DISABLED = "disabled"
-DEEPSPEED_MISSING = "deepspeed-missing"
-REVERTED = "reverted"
-NOT_APPLIED = "not-applied"
-
-NOT_NEEDED = "not-needed"
-OFF = "off"
-
-#: States in which DeepSpeed's offload overflow check does not synchronize the host per gradient.
-GOOD_STATES = (APPLIED, UPSTREAM_FIXED)
-#: States of the skipped-step fix in which a skipped step leaves no gradient behind, or the user chose otherwise.
-SKIPPED_STEP_GOOD_STATES = (APPLIED, UPSTREAM_FIXED, NOT_NEEDED, OFF)
-#: States of the on-device grad norm in which step() makes no host read per tensor, or the user chose otherwise.
-GRAD_NORM_GOOD_STATES = (APPLIED, UPSTREAM_FIXED, OFF)
 
 
 class PatchError(RuntimeError):
@@ -59,13 +40,13 @@ class PatchStatus:
     it is decided with the fix (pending, disabled and the rest leave it ``off``).
     """
 
-    state: str
+    state: State
     deepspeed_version: Optional[str]
     reason: str
     methods: Dict[str, str] = field(default_factory=dict)
-    grad_norm_on_device: str = "off"
+    grad_norm_on_device: State = State.OFF
     grad_norm_reason: str = ""
-    skipped_step: str = "off"
+    skipped_step: State = State.OFF
     skipped_step_reason: str = ""
 
     def as_dict(self) -> dict:
@@ -76,7 +57,7 @@ _lock = threading.RLock()
 _originals: Dict[str, Callable] = {}  # DeepSpeed's functions, by method name, while the patch is applied
 _installed: Dict[str, Callable] = {}  # the replacements this process installed, by method name
 _subclass_watch: Dict[type, object] = {}  # the __init_subclass__ hook installed on the patched class
-_status = PatchStatus(NOT_APPLIED, None, "the patch has not been applied in this process")
+_status = PatchStatus(State.NOT_APPLIED, None, "the patch has not been applied in this process")
 
 
 def deepspeed_version() -> Optional[str]:
@@ -109,7 +90,7 @@ def deepspeed_installed() -> bool:
         return False
 
 
-def _set(state: str,
+def _set(state: State,
          reason: str,
          methods: Optional[Dict[str, str]] = None,
          grad_norm=None,
@@ -126,11 +107,11 @@ def _set(state: str,
 
 
 def _report(what: str, state: str, reason: str, strict: bool) -> None:
-    if state == APPLIED:
+    if state == State.APPLIED:
         info_once(f"{what}: applied: {reason}")
-    elif state in (UPSTREAM_FIXED, NOT_NEEDED):
+    elif state in (State.UPSTREAM_FIXED, State.NOT_NEEDED):
         info_once(f"{what}: not needed: {reason}")
-    elif state in (UNSUPPORTED, CONFLICT):
+    elif state in (State.UNSUPPORTED, State.CONFLICT):
         message = f"{what} not applied ({state}): {reason}; DeepSpeed is left unchanged"
         if strict:
             raise PatchError(message)
@@ -166,7 +147,7 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
     with _lock:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is None:
-            missing = (UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
+            missing = (State.UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
             status = _set(*missing,
                           grad_norm=missing if grad_norm else _left_out(settings.GRAD_NORM),
                           skipped_step=missing if skipped_step else _left_out(settings.SKIPPED_STEP))
@@ -196,7 +177,7 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
 def _left_out(switch: str) -> tuple:
     """The state of a default-on change that its switch (or ``UPSTREAM_ONLY``) leaves out."""
     which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{switch}=0"
-    return (OFF, f"{which}: left out")
+    return (State.OFF, f"{which}: left out")
 
 
 def _restore(module: ModuleType) -> None:
@@ -263,7 +244,7 @@ def _watch_subclasses(cls: type) -> None:
 
 def _target_failed(exc: BaseException) -> PatchStatus:
     status = _set(
-        UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
+        State.UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
         f"when an import of it succeeds")
     _report("the offload overflow flag fix", status.state, status.reason, strict=False)
     return status
@@ -286,7 +267,7 @@ def _on_target_import(module: ModuleType) -> None:
         raise
     except Exception as exc:  # a bug here must not stop training
         _restore(module)
-        status = _set(UNSUPPORTED, f"internal error while patching: {exc!r}")
+        status = _set(State.UNSUPPORTED, f"internal error while patching: {exc!r}")
         _report("the patch", status.state, status.reason, strict)
 
 
@@ -298,16 +279,16 @@ def install() -> PatchStatus:
     """
     with _lock:
         if settings.disabled():
-            return _set(DISABLED, f"{settings.DISABLE} is set")
+            return _set(State.DISABLED, f"{settings.DISABLE} is set")
         if not settings.auto():
-            return _set(NOT_APPLIED, f"{settings.AUTO}=0: importing the package patches nothing; apply() does")
+            return _set(State.NOT_APPLIED, f"{settings.AUTO}=0: importing the package patches nothing; apply() does")
         if not deepspeed_installed():
-            status = _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+            status = _set(State.DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
             warn_once(f"the offload overflow flag fix not applied ({status.state}): {status.reason}; pip install "
                       f"deepspeed, then import deepspeed_offload_patch again in a new process")
             return status
         if TARGET_MODULE not in sys.modules:
-            _set(PENDING, f"waiting for {TARGET_MODULE} to be imported")
+            _set(State.PENDING, f"waiting for {TARGET_MODULE} to be imported")
         import_hook.when_imported(TARGET_MODULE, _on_target_import, _on_target_import_error)
         return _status
 
@@ -330,9 +311,9 @@ def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
     """
     with _lock:
         if settings.disabled():
-            return _set(DISABLED, f"{settings.DISABLE} is set")
+            return _set(State.DISABLED, f"{settings.DISABLE} is set")
         if not deepspeed_installed():
-            _set(DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
+            _set(State.DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
             raise ImportError("deepspeed_offload_patch.apply() needs the 'deepspeed' package: pip install deepspeed",
                               name="deepspeed")
     # Imported outside the lock: the import takes Python's module lock, and the lazy hook, which may run inside
@@ -361,12 +342,13 @@ def revert() -> PatchStatus:
         import_hook.cancel(TARGET_MODULE)
         module = sys.modules.get(TARGET_MODULE)
         if not _originals or module is None:
-            return _set(REVERTED, "the pending patch was cancelled") if _status.state == PENDING else status()
-        had_grad_norm = _status.grad_norm_on_device == APPLIED
-        had_skipped_step = _status.skipped_step == APPLIED
+            return _set(State.REVERTED,
+                        "the pending patch was cancelled") if _status.state == State.PENDING else status()
+        had_grad_norm = _status.grad_norm_on_device == State.APPLIED
+        had_skipped_step = _status.skipped_step == State.APPLIED
         _restore(module)
-        restored = (REVERTED, "revert() restored DeepSpeed's original method")
-        return _set(REVERTED,
+        restored = (State.REVERTED, "revert() restored DeepSpeed's original method")
+        return _set(State.REVERTED,
                     "revert() restored DeepSpeed's original methods",
                     grad_norm=restored if had_grad_norm else None,
                     skipped_step=restored if had_skipped_step else None)
@@ -390,17 +372,17 @@ def status() -> PatchStatus:
     replaced a patched method after the patch applied."""
     with _lock:
         current = PatchStatus(**_status.as_dict())
-        if current.state == APPLIED and not is_applied():
-            current.state = CONFLICT
+        if current.state == State.APPLIED and not is_applied():
+            current.state = State.CONFLICT
             current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
-        if current.grad_norm_on_device == APPLIED and not _still_ours(
+        if current.grad_norm_on_device == State.APPLIED and not _still_ours(
                 "complete_grad_norm_calculation_for_cpu_offload"):
-            current.grad_norm_on_device = CONFLICT
+            current.grad_norm_on_device = State.CONFLICT
             current.grad_norm_reason = (
                 f"{TARGET_CLASS}.complete_grad_norm_calculation_for_cpu_offload was replaced by "
                 "someone else after the patch applied")
-        if current.skipped_step == APPLIED and not _still_ours("reset_cpu_buffers"):
-            current.skipped_step = CONFLICT
+        if current.skipped_step == State.APPLIED and not _still_ours("reset_cpu_buffers"):
+            current.skipped_step = State.CONFLICT
             current.skipped_step_reason = (f"{TARGET_CLASS}.reset_cpu_buffers was replaced by someone else after the "
                                            "patch applied")
         return current

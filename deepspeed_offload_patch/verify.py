@@ -15,6 +15,8 @@ from typing import Any, Dict
 
 import torch
 
+from deepspeed_offload_patch.states import State
+
 GRAD_ACCUM = 2
 
 
@@ -57,7 +59,7 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
     report["nan_skipped"] = engine.skipped_steps == skipped + 1
     report["unchanged"] = all(torch.equal(after[name], value) for name, value in before.items())
     report["skipped_step"] = dop.status().skipped_step
-    if report["skipped_step"] not in ("not-needed", "off"):
+    if report["skipped_step"] not in (State.NOT_NEEDED, State.OFF):
         report["next_step"] = _step_after_a_skip(precision)
     return report
 

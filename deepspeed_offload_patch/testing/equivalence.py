@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
 from deepspeed_offload_patch.testing.models import (ManyLinear, ModelParallelGroups, SometimesUnused, WithExperts,
                                                     batch, ds_config, make_engine, optimizer_step)
@@ -202,7 +203,7 @@ def overflow_sticks(run: Run, result: Optional[Sequence[Dict[str, Any]]] = None)
         return True
     rank = result[0]
     return (rank.get("compact_buffer", True) and not rank.get("cleared_after_skip")
-            and rank.get("skipped_step") not in ("applied", "upstream-fixed"))
+            and rank.get("skipped_step") not in (State.APPLIED, State.UPSTREAM_FIXED))
 
 
 def reference_side(run: Run) -> str:

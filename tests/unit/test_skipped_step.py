@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from deepspeed_offload_patch import guard, skipped_step, source_digest
+from deepspeed_offload_patch.states import State
 from unit.common import run_command, run_python
 from unit.test_patch_lifecycle import run, warnings_in
 
@@ -113,7 +114,7 @@ def test_without_a_compact_buffer_it_is_not_needed(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     decision = guard.inspect_skipped_step(module.DeepSpeedZeroOptimizer, "0.19.7")
-    assert decision.state == guard.NOT_NEEDED and decision.replacements == {}, decision
+    assert decision.state == State.NOT_NEEDED and decision.replacements == {}, decision
     assert "no compact fp32 gradient partition buffer" in decision.reason
 
 
