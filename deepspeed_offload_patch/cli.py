@@ -3,17 +3,8 @@
 """``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher,
 host-sync audit of a user's run.
 
-Exit codes of ``check`` and ``status`` (the same for both; ``status`` prints the state whatever it is):
-
-====  =====================================================================================
-0     the installed DeepSpeed gets the fix: patched on import (``applied``) or ``upstream-fixed``
-1     the fix is not active: ``unsupported`` (unknown release or code), or ``not-applied``
-      (``DS_OFFLOAD_PATCH_AUTO=0``), ``pending`` or ``reverted``
-2     usage error
-3     ``conflict``: another patch replaced one of the methods
-4     ``deepspeed-missing``
-5     ``disabled`` by ``DS_OFFLOAD_PATCH_DISABLE``
-====  =====================================================================================
+Exit codes of ``check`` and ``status``: :data:`EXIT_CODES`, the one table that :data:`EXIT`, :data:`EXIT_TEXT` (their
+``--help``) and the list at the end of this text are made from.
 
 ``verify``: 0 pass, 1 a check failed or could not run, 2 usage. ``diff``: 0, 1 no diff for the installed DeepSpeed.
 ``run``: the command's own exit code; 2 no command given; 127 the command cannot be started. ``audit``: the command's
@@ -25,29 +16,57 @@ import argparse
 import json
 import platform
 import sys
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.states import GOOD_STATES, GRAD_NORM_GOOD_STATES, SKIPPED_STEP_GOOD_STATES, State
 
-#: Exit codes for the states that are not good (see GOOD_STATES, which exit 0).
-EXIT = {
-    State.UNSUPPORTED: 1,
-    State.CONFLICT: 3,
-    State.DEEPSPEED_MISSING: 4,
-    State.DISABLED: 5,
-}
+
+@dataclass(frozen=True)
+class ExitCode:
+    """One exit code of ``check`` and ``status``: what it means, and the states that give it."""
+
+    code: int
+    meaning: str
+    states: Tuple[State, ...] = ()
+
+    def text(self) -> str:
+        """``3 conflict: another patch ...``: the code, its states, its meaning."""
+        states = f" {', '.join(self.states)}:" if self.states else ""
+        return f"{self.code}{states} {self.meaning}"
+
+
+#: The exit codes of ``check`` and ``status`` (the same for both; ``status`` prints the state whatever it is). The fix's
+#: state decides; when it exits 0, the first default-on change that is on and not in effect decides with its own state.
+EXIT_CODES = (
+    ExitCode(
+        0, "the fix is active, and the skipped-step fix and the on-device grad norm are each in effect, not needed or "
+        "switched off", GOOD_STATES),
+    ExitCode(
+        1,
+        f"the fix, or a change on by default, is not active (unknown release or code; not-applied: {settings.AUTO}=0)",
+        (State.UNSUPPORTED, State.NOT_APPLIED, State.PENDING, State.REVERTED)),
+    ExitCode(2, "usage error"),
+    ExitCode(3, "another patch replaced one of the methods", (State.CONFLICT, )),
+    ExitCode(4, "DeepSpeed is not installed", (State.DEEPSPEED_MISSING, )),
+    ExitCode(5, f"switched off by {settings.DISABLE}", (State.DISABLED, )),
+)
+
+#: The exit code of each state (a state not listed exits 1).
+EXIT = {state: row.code for row in EXIT_CODES for state in row.states}
 
 #: The exit codes of ``check`` and ``status``, as their ``--help`` says them.
-EXIT_TEXT = ("0 fix active (applied or upstream-fixed) and the skipped-step fix in effect or not needed (applied, "
-             "upstream-fixed, not-needed, or switched off), 1 either not active (unsupported, not-applied, pending, "
-             "reverted), 2 usage, 3 conflict, 4 deepspeed missing, 5 disabled")
+EXIT_TEXT = "; ".join(row.text() for row in EXIT_CODES)
+
+__doc__ += "\nExit codes of ``check`` and ``status``:\n\n" + "".join(f"* {row.text()}\n" for row in EXIT_CODES)
 
 ADVICE = {
     State.UNSUPPORTED: "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
     "(`ds-offload-patch status` shows what the guard found)",
     State.CONFLICT: "find the other patch that replaces these methods and drop one of the two",
     State.DEEPSPEED_MISSING: "install DeepSpeed in this environment (torch first)",
-    State.DISABLED: "unset DS_OFFLOAD_PATCH_DISABLE",
+    State.DISABLED: f"unset {settings.DISABLE}",
 }
 
 
@@ -114,8 +133,9 @@ def _status_command(args) -> int:
 
 
 def exit_code(state: State) -> int:
-    """The exit code of the fix's ``state`` alone (0 for a good state)."""
-    return 0 if state in GOOD_STATES else EXIT.get(state, 1)
+    """The exit code of the fix's ``state`` alone (:data:`EXIT_CODES`; 0 for a good state, 1 for a state not
+    listed)."""
+    return EXIT.get(state, 1)
 
 
 def status_exit_code(status) -> int:
