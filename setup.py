@@ -71,10 +71,11 @@ setup(
     install_requires=["deepspeed>=0.14.0", "torch", "packaging>=20.0"],
     extras_require={
         "bench": ["matplotlib"],
-        # check-manifest: the sdist against git's file list; pypiserver: the index the release rehearsal uploads to.
+        # check-manifest: the sdist against git's file list; pypiserver: the index the release rehearsal uploads to;
+        # sybil: runs the documents' transcripts and examples as tests (conftest.py).
         "dev": [
             "pytest", "yapf==0.43.0", "flake8", "codespell", "nox", "matplotlib", "build", "twine", "check-manifest",
-            "pypiserver"
+            "pypiserver", "sybil"
         ],
     },
     entry_points={

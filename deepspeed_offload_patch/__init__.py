@@ -4,8 +4,9 @@
 
 Importing this package applies the patch: now, if ``deepspeed.runtime.zero.stage_1_and_2`` is already imported, or
 right after it is imported. It never imports DeepSpeed itself. On a DeepSpeed it does not know, on a conflicting
-patch, or without DeepSpeed, it leaves DeepSpeed untouched and says why in ``status()`` (and in one WARNING; an
-error under ``DS_OFFLOAD_PATCH_STRICT=1``). ``DS_OFFLOAD_PATCH_DISABLE=1`` turns the import into a no-op.
+patch, it leaves DeepSpeed untouched and says why in ``status()`` and in one WARNING (an error under
+``DS_OFFLOAD_PATCH_STRICT=1``). Without DeepSpeed it warns once, strict or not: there is no training to guard, and
+``import deepspeed`` fails on its own. ``DS_OFFLOAD_PATCH_DISABLE=1`` turns the import into a no-op.
 """
 
 from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, install, is_applied, revert,
