@@ -77,3 +77,21 @@ def test_the_import_time_info_line_shows_where_the_docs_say():
         with open(os.path.join(ROOT, doc)) as f:
             text = re.sub(r"\s+", " ", f.read())
         assert f"INFO line, which DeepSpeed shows before {FIRST_WARNING_LOGGER}" in text, doc
+
+
+CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["run"], 2),  # no command
+        (["run", "--", "/nonexistent/command"], 127),  # cannot start it
+        (["run", "--", sys.executable, "-c", "import sys; sys.exit(7)"], 7),  # the command's own code
+        (["audit", "--", "/nonexistent/command"], 127),
+        (["affected", "/nonexistent/ds_config.json"], 2),  # unreadable config
+    ])
+def test_documented_exit_codes_of_run_audit_and_affected(args, code):
+    result = run_command(CLI + args)
+    assert result.returncode == code, result
+    assert "Traceback" not in result.stderr, result
