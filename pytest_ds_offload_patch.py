@@ -22,7 +22,9 @@ torch is imported only when a fixture is used.
 """
 
 import importlib
+import importlib.util
 import os
+import runpy
 import sys
 
 import pytest
@@ -51,19 +53,27 @@ def pytest_configure(config) -> None:
             dop.install()
 
 
+def _auto_switch() -> str:
+    """The name of the switch that stops the package's import from patching (``settings.AUTO``), read from the
+    package's ``settings.py`` without importing the package (that import is what must not patch yet)."""
+    package = importlib.util.find_spec("deepspeed_offload_patch")  # a top-level name: finds, imports nothing
+    return runpy.run_path(os.path.join(os.path.dirname(package.origin), "settings.py"))["AUTO"]
+
+
 def _testing():
     """``deepspeed_offload_patch.testing``; when the run did not ask for the patch and nothing imported the package
     yet, imported without patching."""
     if "deepspeed_offload_patch" not in sys.modules and not _asked:
-        from_env = os.environ.get("DS_OFFLOAD_PATCH_AUTO")
-        os.environ["DS_OFFLOAD_PATCH_AUTO"] = "0"
+        auto = _auto_switch()
+        from_env = os.environ.get(auto)
+        os.environ[auto] = "0"
         try:
             importlib.import_module("deepspeed_offload_patch")
         finally:
             if from_env is None:
-                del os.environ["DS_OFFLOAD_PATCH_AUTO"]
+                del os.environ[auto]
             else:
-                os.environ["DS_OFFLOAD_PATCH_AUTO"] = from_env
+                os.environ[auto] = from_env
     return importlib.import_module("deepspeed_offload_patch.testing")
 
 

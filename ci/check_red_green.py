@@ -15,12 +15,15 @@ those modules fails without it. Extra arguments go to pytest: paths narrow the m
 """
 
 import os
+import runpy
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORT = os.path.join(ROOT, "reports", "unpatched.xml")
+# The switch's name, from the package's settings.py without importing the package (nothing here is patched).
+DISABLE = runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "settings.py"))["DISABLE"]
 
 
 def _case_id(classname: str, name: str) -> str:
@@ -52,7 +55,7 @@ def _modules(expected: set, pytest_args) -> list:
 def unpatched_results(pytest_args) -> dict:
     """Run ``pytest_args`` with the patch disabled; return {node id: passed, failed or skipped}."""
     os.makedirs(os.path.dirname(REPORT), exist_ok=True)
-    env = dict(os.environ, DS_OFFLOAD_PATCH_DISABLE="1")
+    env = dict(os.environ, **{DISABLE: "1"})
     # Equivalence tests set each of their processes' switches themselves: the outer switch does not change them,
     # so running them again here would only repeat the green run.
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not equivalence", f"--junitxml={REPORT}"] +
@@ -87,7 +90,7 @@ def main(pytest_args) -> int:
     for test in skipped:
         problems.append(f"skipped without the patch: {test}")
 
-    print(f"\nwith DS_OFFLOAD_PATCH_DISABLE=1: {len(failed)} failed of {len(results)}; "
+    print(f"\nwith {DISABLE}=1: {len(failed)} failed of {len(results)}; "
           f"{len(expected)} are expected to fail")
     for test in sorted(expected):
         print(f"  {'red (as expected)' if test in failed else 'GREEN (wrong)':<18} {test}")

@@ -25,8 +25,9 @@ import tarfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
-# Only the guard's functions are needed: importing the package must not try to patch anything here.
-os.environ["DS_OFFLOAD_PATCH_DISABLE"] = "1"
+# Only the guard's functions are needed: importing the package must not try to patch anything here. The switch's
+# name comes from the package's settings.py, read without importing the package (that import must see the switch).
+os.environ[runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "settings.py"))["DISABLE"]] = "1"
 
 from packaging.specifiers import SpecifierSet  # noqa: E402
 

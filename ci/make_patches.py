@@ -35,7 +35,7 @@ from packaging.specifiers import SpecifierSet  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from gen_fingerprints import TARGET, method_sources, read_target  # noqa: E402
-from deepspeed_offload_patch import guard  # noqa: E402
+from deepspeed_offload_patch import guard, settings  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
@@ -209,7 +209,7 @@ The fix, what the package applies by default: `update_offload_overflow_tracker` 
 {sections[0]}
 
 The on-device gradient norm (`complete_grad_norm_calculation_for_cpu_offload`; on by default,
-`DS_OFFLOAD_PATCH_GRAD_NORM=0` leaves it out), in `grad-norm-on-device/`: `step()` sums the gradient norms on the
+`{settings.GRAD_NORM}=0` leaves it out), in `grad-norm-on-device/`: `step()` sums the gradient norms on the
 device instead of reading one per parameter tensor. It touches another method than the fix, so it applies with or
 without the fix's diff:
 

@@ -15,13 +15,15 @@ import difflib
 import importlib
 import inspect
 import os
+import runpy
 import sys
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# DeepSpeed's own methods are what is read here: the import of the package below must not patch them.
-os.environ["DS_OFFLOAD_PATCH_DISABLE"] = "1"
+# DeepSpeed's own methods are what is read here: the import of the package below must not patch them. The switch's
+# name comes from the package's settings.py, read without importing the package (that import must see the switch).
+os.environ[runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "settings.py"))["DISABLE"]] = "1"
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 
 from gen_fingerprints import method_sources, read_target  # noqa: E402

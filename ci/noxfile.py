@@ -40,6 +40,7 @@ from packaging.version import Version
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
+from deepspeed_offload_patch import settings  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
 from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
@@ -214,7 +215,7 @@ def ci(session: nox.Session) -> None:
         _release(session, deepspeed, profiles.split(","))
 
 
-CLEAN = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0"}
+CLEAN = {settings.DISABLE: "0", settings.STRICT: "0"}
 
 
 def _suite(session: nox.Session, name: str, core: bool) -> dict:
@@ -285,7 +286,7 @@ def scale(session: nox.Session, deepspeed: str) -> None:
                         "-m",
                         "not equivalence",
                         SCALE_TESTS[0],
-                        env=dict(CLEAN, DS_OFFLOAD_PATCH_DISABLE="1"))
+                        env=dict(CLEAN, **{settings.DISABLE: "1"}))
     # Without the patch the scale module's non-equivalence tests are its zero-sync tests: every one must fail.
     more = {}
     if os.path.exists(measured):
@@ -439,8 +440,8 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
                         "-i",
                         diff_file,
                         external=True)
-        disabled = {"DS_OFFLOAD_PATCH_DISABLE": "1", "DS_OFFLOAD_PATCH_STRICT": "0"}
-        enabled = {"DS_OFFLOAD_PATCH_DISABLE": "0", "DS_OFFLOAD_PATCH_STRICT": "0", "DS_OFFLOAD_PATCH_GRAD_NORM": "1"}
+        disabled = {settings.DISABLE: "1", settings.STRICT: "0"}
+        enabled = {settings.DISABLE: "0", settings.STRICT: "0", settings.GRAD_NORM: "1"}
         status = _status(session, env=enabled)
         grad_norm_expected = State.UPSTREAM_FIXED
         return {
@@ -660,7 +661,7 @@ def _stacks(session: nox.Session, deepspeed: str) -> None:
                         "-m",
                         "not equivalence",
                         "tests/stacks",
-                        env=dict(env, DS_OFFLOAD_PATCH_DISABLE="1", DS_STACK_REPORT=measured + ".unpatched"))
+                        env=dict(env, **{settings.DISABLE: "1"}, DS_STACK_REPORT=measured + ".unpatched"))
     stacks = {name: _stack_sides(modes) for name, modes in found["stacks"].items()}
     _finish_layout(session, "stacks", deepspeed, tests, unpatched, {"versions": found["versions"], "stacks": stacks})
 

@@ -19,6 +19,7 @@ import hashlib
 import html.parser
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CACHE = os.environ.get("DS_OFFLOAD_PATCH_SDISTS") or os.path.expanduser("~/.cache/ds-offload-patch/sdists")
+# The variable's name is in the package's settings.py, read without importing the package (whose import patches).
+SDISTS = runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "settings.py"))["SDISTS"]
+DEFAULT_CACHE = os.environ.get(SDISTS) or os.path.expanduser("~/.cache/ds-offload-patch/sdists")
 PROJECT = "deepspeed"
 # A guard against a stalled connection, per request; a slow but moving download is not cut.
 SOCKET_TIMEOUT_S = 120

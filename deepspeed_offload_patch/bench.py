@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
@@ -56,16 +57,16 @@ MODES = {
 }
 VARIANTS = {
     "unpatched": {
-        "DS_OFFLOAD_PATCH_DISABLE": "1",
-        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+        settings.DISABLE: "1",
+        settings.GRAD_NORM: "0"
     },
     "patched": {
-        "DS_OFFLOAD_PATCH_DISABLE": "0",
-        "DS_OFFLOAD_PATCH_GRAD_NORM": "0"
+        settings.DISABLE: "0",
+        settings.GRAD_NORM: "0"
     },
     "patched+grad-norm": {
-        "DS_OFFLOAD_PATCH_DISABLE": "0",
-        "DS_OFFLOAD_PATCH_GRAD_NORM": "1"
+        settings.DISABLE: "0",
+        settings.GRAD_NORM: "1"
     },
 }
 GRAD_ACCUM = 2
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
     caption = (f"device: {results['patched'][0]['device']}, {args.world_size} ranks, torch {torch.__version__}, "
                f"DeepSpeed {_deepspeed_version()}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
                f"median of {steps} steps after {warmup} warm-up, the slowest rank's. patched: "
-               f"DS_OFFLOAD_PATCH_GRAD_NORM=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
+               f"{settings.GRAD_NORM}=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
     print()
     print(caption)
     print(table)

@@ -18,6 +18,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
@@ -67,7 +68,7 @@ def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int, dtype: st
 
 
 def _run(patched: bool, args) -> List[Dict[str, Any]]:
-    env = {"DS_OFFLOAD_PATCH_DISABLE": "0" if patched else "1"}
+    env = {settings.DISABLE: "0" if patched else "1"}
     return run_distributed(_rank_job,
                            args.world_size,
                            args=(args.num_tensors, args.stage, args.steps, args.nan_step, args.dtype,

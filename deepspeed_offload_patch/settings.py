@@ -18,6 +18,22 @@ SKIPPED_STEP = "DS_OFFLOAD_PATCH_SKIPPED_STEP"
 #: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: the
 #: skipped-step fix and the on-device grad norm stay off whatever their own switches say.
 UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"
+#: What every switch's name starts with (messages that speak of them all: ``DS_OFFLOAD_PATCH_*``).
+NAME_PREFIX = "DS_OFFLOAD_PATCH_"
+
+# Set by ``ds-offload-patch audit`` for the ranks it launches (deepspeed_offload_patch.audit.rank reads them).
+#: The folder the rank reports go to; the audit is on in a process only when this is set.
+AUDIT_DIR = "DS_OFFLOAD_PATCH_AUDIT_DIR"
+#: How many optimizer steps to count (default 3).
+AUDIT_STEPS = "DS_OFFLOAD_PATCH_AUDIT_STEPS"
+#: ``1``: end the process (exit 0) once the counted steps are reported.
+AUDIT_STOP_AFTER = "DS_OFFLOAD_PATCH_AUDIT_STOP_AFTER"
+#: How many source lines per phase each rank keeps (default 10).
+AUDIT_TOP = "DS_OFFLOAD_PATCH_AUDIT_TOP"
+#: ``0``: rank 0 does not print the table (``audit --compare`` prints both runs side by side instead).
+AUDIT_PRINT = "DS_OFFLOAD_PATCH_AUDIT_PRINT"
+#: CI only (``ci/sdists.py``): the folder of the cached DeepSpeed sdists.
+SDISTS = "DS_OFFLOAD_PATCH_SDISTS"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

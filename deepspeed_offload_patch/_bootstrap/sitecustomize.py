@@ -32,7 +32,9 @@ def _apply() -> None:
 
 
 def _audit() -> None:
-    if not os.environ.get("DS_OFFLOAD_PATCH_AUDIT_DIR"):
+    # The switch's name comes from the package's settings, loaded by _apply() (None if that import failed early).
+    settings = sys.modules.get("deepspeed_offload_patch.settings")
+    if settings is None or not os.environ.get(settings.AUDIT_DIR):
         return
     try:
         from deepspeed_offload_patch.audit import rank

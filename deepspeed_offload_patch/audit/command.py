@@ -20,6 +20,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.audit import rank as auditor
 from deepspeed_offload_patch.audit import report as audit_report
 from deepspeed_offload_patch.launcher import patched_environment
@@ -48,11 +49,11 @@ def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switch
         env = patched_environment()
         env.update(switches)
         env.update({
-            auditor.DIR: folder,
-            auditor.STEPS: str(steps),
-            auditor.STOP_AFTER: "1" if stop_after else "0",
-            auditor.TOP: str(max(10, top)),
-            auditor.PRINT: "0" if quiet else "1",
+            settings.AUDIT_DIR: folder,
+            settings.AUDIT_STEPS: str(steps),
+            settings.AUDIT_STOP_AFTER: "1" if stop_after else "0",
+            settings.AUDIT_TOP: str(max(10, top)),
+            settings.AUDIT_PRINT: "0" if quiet else "1",
         })
         try:
             process = subprocess.Popen(command, env=env)
@@ -83,11 +84,7 @@ def audit(command: List[str],
     for the exit codes. ``budgets`` maps ``max_backward_syncs``/``max_step_syncs``/``max_total_syncs`` to a limit per rank, phase and
     optimizer step (None: no limit); with ``compare`` they apply to the patched run."""
     budgets = budgets or {}
-    plan = [("unpatched", {
-        "DS_OFFLOAD_PATCH_DISABLE": "1"
-    }), ("patched", {
-        "DS_OFFLOAD_PATCH_DISABLE": "0"
-    })] if compare else [("run", {})]
+    plan = [("unpatched", {settings.DISABLE: "1"}), ("patched", {settings.DISABLE: "0"})] if compare else [("run", {})]
     runs: Dict[str, List[Dict]] = {}
     codes: Dict[str, int] = {}
     for name, switches in plan:
@@ -104,7 +101,7 @@ def audit(command: List[str],
         if 0 < len(reports) < world:
             print(
                 f"{PREFIX}: note: the {name} run's reports come from {len(reports)} of {world} ranks: on several "
-                f"nodes only the ranks of this node report, and only if DS_OFFLOAD_PATCH_* and PYTHONPATH reach "
+                f"nodes only the ranks of this node report, and only if {settings.NAME_PREFIX}* and PYTHONPATH reach "
                 f"them",
                 flush=True)
     gated = "patched" if compare else "run"

@@ -29,20 +29,9 @@ import threading
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
-from deepspeed_offload_patch import import_hook
+from deepspeed_offload_patch import import_hook, settings
 from deepspeed_offload_patch.audit.report import PHASES, table
 from deepspeed_offload_patch.log import rank_and_world
-
-#: The folder the rank reports go to; the audit is on in a process only when this is set.
-DIR = "DS_OFFLOAD_PATCH_AUDIT_DIR"
-#: How many optimizer steps to count (default 3).
-STEPS = "DS_OFFLOAD_PATCH_AUDIT_STEPS"
-#: ``1``: end the process (exit 0) once the counted steps are reported.
-STOP_AFTER = "DS_OFFLOAD_PATCH_AUDIT_STOP_AFTER"
-#: How many source lines per phase each rank keeps (default 10).
-TOP = "DS_OFFLOAD_PATCH_AUDIT_TOP"
-#: ``0``: rank 0 does not print the table (``audit --compare`` prints both runs side by side instead).
-PRINT = "DS_OFFLOAD_PATCH_AUDIT_PRINT"
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 CUDA_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -201,7 +190,7 @@ def _backward_phase(engine) -> str:
 
 
 def _folder() -> str:
-    return os.environ[DIR]
+    return os.environ[settings.AUDIT_DIR]
 
 
 def _write(name: str, data: Any) -> None:
@@ -250,9 +239,9 @@ def _finish(engine) -> None:
     reports = _gather(report) if _single_node(world) else None
     if rank == 0 and reports is not None:
         _write(REPORT, {"ranks": reports})
-        if os.environ.get(PRINT) != "0":
+        if os.environ.get(settings.AUDIT_PRINT) != "0":
             print(table(reports), flush=True)
-    if os.environ.get(STOP_AFTER) == "1":
+    if os.environ.get(settings.AUDIT_STOP_AFTER) == "1":
         _stop(rank, world)
 
 
@@ -318,7 +307,7 @@ def install(steps: int = 3, top: int = 10) -> None:
 def install_from_environment() -> bool:
     """:func:`install` when ``DS_OFFLOAD_PATCH_AUDIT_DIR`` is set (by ``ds-offload-patch audit``); returns whether it
     did. Bad numbers in the other variables fall back to the defaults."""
-    if not os.environ.get(DIR):
+    if not os.environ.get(settings.AUDIT_DIR):
         return False
 
     def number(name: str, default: int) -> int:
@@ -327,5 +316,5 @@ def install_from_environment() -> bool:
         except ValueError:
             return default
 
-    install(steps=number(STEPS, 3), top=number(TOP, 10))
+    install(steps=number(settings.AUDIT_STEPS, 3), top=number(settings.AUDIT_TOP, 10))
     return True

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
@@ -60,21 +61,27 @@ COMPACT_BUFFER = "DS_OFFLOAD_TEST_COMPACT_BUFFER"
 #: Read in each rank of the harness: ``1`` zeroes the compact gradient buffers after each skipped step.
 CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
 _SWITCHES = {
-    "DS_OFFLOAD_PATCH_DISABLE": "0",
-    "DS_OFFLOAD_PATCH_STRICT": "0",
-    "DS_OFFLOAD_PATCH_GRAD_NORM": "1",
-    "DS_OFFLOAD_PATCH_SKIPPED_STEP": "1",
-    "DS_OFFLOAD_PATCH_UPSTREAM_ONLY": "0",
+    settings.DISABLE: "0",
+    settings.STRICT: "0",
+    settings.GRAD_NORM: "1",
+    settings.SKIPPED_STEP: "1",
+    settings.UPSTREAM_ONLY: "0",
     COMPACT_BUFFER: "1",
     CLEAR_AFTER_SKIP: "0",
 }
 #: Each side's switches, whatever the calling process has: the sides must differ in the patch and nothing else.
 SIDE_ENV = {
     PATCHED: dict(_SWITCHES),
-    UNPATCHED: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1"),
-    BUFFER_OFF: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1", **{COMPACT_BUFFER: "0"}),
-    CLEARED_AFTER_SKIP: dict(_SWITCHES, DS_OFFLOAD_PATCH_DISABLE="1", **{CLEAR_AFTER_SKIP: "1"}),
-    UPSTREAM_ONLY: dict(_SWITCHES, DS_OFFLOAD_PATCH_UPSTREAM_ONLY="1"),
+    UNPATCHED: dict(_SWITCHES, **{settings.DISABLE: "1"}),
+    BUFFER_OFF: dict(_SWITCHES, **{
+        settings.DISABLE: "1",
+        COMPACT_BUFFER: "0"
+    }),
+    CLEARED_AFTER_SKIP: dict(_SWITCHES, **{
+        settings.DISABLE: "1",
+        CLEAR_AFTER_SKIP: "1"
+    }),
+    UPSTREAM_ONLY: dict(_SWITCHES, **{settings.UPSTREAM_ONLY: "1"}),
 }
 PRECISIONS = ("bf16", "bf16-nocheck", "fp32", "fp16")
 MODELS = ("plain", "sometimes-unused", "param-groups", "moe")
@@ -567,7 +574,7 @@ def side_env(side: str) -> Dict[str, str]:
     :data:`CURRENT` takes ``DS_OFFLOAD_PATCH_DISABLE`` from this process (so a test on it fails with the patch
     disabled, as the red/green run needs) and the rest from the patched side."""
     if side == CURRENT:
-        return dict(SIDE_ENV[PATCHED], DS_OFFLOAD_PATCH_DISABLE=os.environ.get("DS_OFFLOAD_PATCH_DISABLE", "0"))
+        return dict(SIDE_ENV[PATCHED], **{settings.DISABLE: os.environ.get(settings.DISABLE, "0")})
     return dict(SIDE_ENV[side])
 
 

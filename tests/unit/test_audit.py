@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.audit import report as audit_report
 from unit.common import HANG_GUARD_S, assert_ok, run_command
 
@@ -225,7 +226,7 @@ def audit_state(tmp_path, monkeypatch):
 
     from deepspeed_offload_patch.audit import rank as auditor
 
-    monkeypatch.setenv(auditor.DIR, str(tmp_path))
+    monkeypatch.setenv(settings.AUDIT_DIR, str(tmp_path))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(auditor, "_state", auditor.PhaseCounts(steps=2, top=5))
@@ -280,7 +281,7 @@ def test_a_report_that_cannot_be_written_does_not_stop_training(audit_state, mon
     auditor, engine_class = audit_state
     warnings = []
     monkeypatch.setattr(log, "warn_once", warnings.append)
-    monkeypatch.setenv(auditor.DIR, "/nonexistent/folder")
+    monkeypatch.setenv(settings.AUDIT_DIR, "/nonexistent/folder")
     engine = train(engine_class, steps=3)
     assert engine.global_steps == 3 and auditor._state.done
     assert len(warnings) == 1 and "report was not completed" in warnings[0], warnings
