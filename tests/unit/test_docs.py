@@ -1,7 +1,8 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 """The documents a user reads first hold what the code does: every CLI option is on docs/cli.md, README.md stays
-short, and its links lead somewhere."""
+short, every relative link leads to a file, and each number README takes from a measurement equals the one in the file
+the measurement wrote (the transcripts themselves run as tests: conftest.py)."""
 
 import os
 import re
@@ -33,8 +34,21 @@ def test_readme_is_short_and_answers_first():
         assert heading in first, heading
 
 
-def test_readme_links_lead_to_files():
-    for name in ("README.md", "ci/README.md", "docs/audit.md", "docs/releases.md", "docs/benchmark.md", "docs/gpu.md"):
+def _markdown_files() -> list:
+    listed = run_command(["git", "ls-files", "*.md"], cwd=ROOT)
+    if listed.returncode == 0 and listed.stdout.strip():
+        return listed.stdout.split()
+    # An unpacked sdist has no git: its Markdown files are the tracked ones (check-manifest keeps them equal).
+    return [
+        os.path.relpath(os.path.join(folder, name), ROOT) for folder, _, names in os.walk(ROOT) for name in names
+        if name.endswith(".md") and "/." not in folder and "build" not in folder
+    ]
+
+
+def test_every_relative_link_in_every_document_leads_to_a_file():
+    names = _markdown_files()
+    assert "README.md" in names and "tests/README.md" in names, names
+    for name in names:
         text = open(os.path.join(ROOT, name)).read()
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             path = os.path.normpath(os.path.join(ROOT, os.path.dirname(name), target))
@@ -57,3 +71,47 @@ def test_the_gpu_numbers_are_the_measured_ones():
         assert _between(f.read(), "gpu") == render_cuda_table(measured)
     whole = {r["n"]: r["cuda"]["whole"]["cudaStreamSynchronize"] for r in measured["patched+grad-norm"]}
     assert len(whole) > 1 and len(set(whole.values())) == 1, whole
+
+
+def _readme_section(heading: str) -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    return text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _gain_row(what: str) -> str:
+    rows = [line for line in _readme_section("What you gain").splitlines() if line.startswith(f"| {what}")]
+    assert len(rows) == 1, what
+    return rows[0]
+
+
+def test_what_you_gain_on_the_cpu_is_the_demo_s_transcript():
+    """The counts README's gain table states are those of the demo's transcript below it, which runs as a test."""
+    demo = _readme_section("What the demo shows").split("```console\n", 1)[1].split("```", 1)[0]
+    counts = {}
+    for line in demo.splitlines():
+        cells = line.split()
+        if cells[:1] in (["unpatched"], ["patched"]) and cells[1] == "0":
+            numbers = [int(cell) for cell in cells[3:]]
+            # boundary backward, other backward, step(): 4 steps each; the first step skips nothing.
+            counts[cells[0]] = (numbers[0], numbers[0] + numbers[4] + numbers[8])
+    (boundary_before, whole_before), (boundary_after, whole_after) = counts["unpatched"], counts["patched"]
+    assert f"{boundary_before} → {boundary_after}" in _gain_row("host syncs per boundary backward")
+    assert f"{whole_before} → {whole_after}; {whole_after} at any size" in _gain_row("host syncs per optimizer step")
+
+
+def test_what_you_gain_on_the_gpu_is_the_measured_one():
+    import json
+
+    with open(os.path.join(ROOT, "docs", "gpu-check", "bench.json")) as f:
+        measured = json.load(f)["results"]
+
+    def waits(variant: str, phase: str) -> set:
+        return {r["cuda"][phase]["cudaStreamSynchronize"] for r in measured[variant] if r["n"] == 398}
+
+    (before, ), (after, ) = waits("unpatched", "backward"), waits("patched+grad-norm", "backward")
+    (whole_before, ), (whole_after, ), (whole_fix_only, ) = (waits("unpatched",
+                                                                   "whole"), waits("patched+grad-norm",
+                                                                                   "whole"), waits("patched", "whole"))
+    row = _gain_row("on one H200 GPU")
+    assert f"398 tensors" in row and f"boundary backward {before} → {after}" in row, row
+    assert f"per optimizer step {whole_before} → {whole_after} ({whole_fix_only} with the grad norm left out)" in row, row
