@@ -41,6 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 from deepspeed_offload_patch import settings  # noqa: E402
+from deepspeed_offload_patch.guard import SKIPPED_STEP  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
 from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
@@ -76,7 +77,7 @@ VARIANT_SKIPPED_STEP = {"fixed-differently": State.UPSTREAM_FIXED}
 
 def skipped_step_expected(release: str) -> str:
     """The skipped-step fix's state on a PyPI release: the defect came with 0.19.8's compact gradient buffer."""
-    return State.APPLIED if Version(release) >= Version("0.19.8") else State.NOT_NEEDED
+    return State.APPLIED if Version(release) >= Version(SKIPPED_STEP.first_release) else State.NOT_NEEDED
 
 
 # Releases that do not import with torch 2.13.0 (their elastic agent imports torch's _get_socket_with_port, which torch
@@ -448,7 +449,7 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
             "diff_skipped_step_state":
             status["skipped_step"],
             "diff_skipped_step_expected":
-            State.UPSTREAM_FIXED if Version(deepspeed) >= Version("0.19.8") else State.NOT_NEEDED,
+            State.UPSTREAM_FIXED if Version(deepspeed) >= Version(SKIPPED_STEP.first_release) else State.NOT_NEEDED,
             "diff_state":
             status["state"],
             "diff_grad_norm_state":

@@ -36,31 +36,58 @@ OLDER_REASON = ("releases before 0.14.0 do not import with a current torch, thei
 
 @dataclass(frozen=True)
 class PatchSet:
-    """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, the module of their replacements, and the
-    releases whose methods have these names (``releases``, a version specifier). ``witnesses`` are methods that are
-    not replaced but whose code decides whether the replacements are right (their forms are fingerprinted too)."""
+    """Methods of ``DeepSpeedZeroOptimizer`` that are replaced together, and the module of their replacements.
+
+    ``tracker`` is the one of ``methods`` whose finding says whether DeepSpeed has the fixed form already (the fix's
+    overflow tracker; a one-method set's method). ``first_release`` is the first DeepSpeed release whose methods have
+    these names, ``until`` the first release that no longer has them (empty: every later one); :attr:`releases` is
+    the two as a version specifier. ``witnesses`` are methods that are not replaced but whose code decides whether
+    the replacements are right (their forms are fingerprinted too). Raises ValueError when ``tracker`` is not one of
+    ``methods``.
+    """
 
     name: str
     module: str
     methods: Tuple[str, ...]
-    releases: str = ""
+    tracker: str
+    first_release: str
+    until: str = ""
     witnesses: Tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.tracker not in self.methods:
+            raise ValueError(f"{self.name}: the tracker {self.tracker} is not one of its methods {self.methods}")
 
+    @property
+    def releases(self) -> str:
+        """The releases whose methods have these names, as a version specifier (``>=0.14.0,<0.17.1``)."""
+        return f">={self.first_release}" + (f",<{self.until}" if self.until else "")
+
+
+_TRACKER = "update_offload_overflow_tracker"
+_TRACKER_PER_PARAM = "update_overflow_tracker_for_param_grad"
 #: The fix itself (DeepSpeed pull request 8963), applied by default, from DeepSpeed 0.17.1 on.
-OVERFLOW_FLAG = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
-                         ("update_offload_overflow_tracker", "has_overflow"), ">=0.17.1")
+OVERFLOW_FLAG = PatchSet("overflow-flag",
+                         "deepspeed_offload_patch.overflow", (_TRACKER, "has_overflow"),
+                         tracker=_TRACKER,
+                         first_release="0.17.1")
 #: The same fix for DeepSpeed 0.14.0 to 0.17.0, whose tracker is ``update_overflow_tracker_for_param_grad(param)``.
-OVERFLOW_FLAG_PER_PARAM = PatchSet("overflow-flag", "deepspeed_offload_patch.overflow",
-                                   ("update_overflow_tracker_for_param_grad", "has_overflow"), ">=0.14.0,<0.17.1")
+OVERFLOW_FLAG_PER_PARAM = PatchSet("overflow-flag",
+                                   "deepspeed_offload_patch.overflow", (_TRACKER_PER_PARAM, "has_overflow"),
+                                   tracker=_TRACKER_PER_PARAM,
+                                   first_release="0.14.0",
+                                   until=OVERFLOW_FLAG.first_release)
 #: On by default: the offload gradient norm summed on the device (two forms: a tensor from 0.17.1 on, a number before).
-GRAD_NORM = PatchSet("grad-norm-on-device", "deepspeed_offload_patch.grad_norm",
-                     ("complete_grad_norm_calculation_for_cpu_offload", ), ">=0.14.0")
+GRAD_NORM = PatchSet("grad-norm-on-device",
+                     "deepspeed_offload_patch.grad_norm", ("complete_grad_norm_calculation_for_cpu_offload", ),
+                     tracker="complete_grad_norm_calculation_for_cpu_offload",
+                     first_release="0.14.0")
 #: On by default where DeepSpeed has the defect: a skipped step leaves no gradient in the compact fp32 partition buffer
 #: (DeepSpeed 0.19.8). ``step()``'s overflow branch is what calls ``reset_cpu_buffers`` with the buffer still there.
 SKIPPED_STEP = PatchSet("skipped-step-buffer",
                         "deepspeed_offload_patch.skipped_step", ("reset_cpu_buffers", ),
-                        ">=0.19.8",
+                        tracker="reset_cpu_buffers",
+                        first_release="0.19.8",
                         witnesses=("step", ))
 FIX_FORMS = (OVERFLOW_FLAG, OVERFLOW_FLAG_PER_PARAM)
 PATCH_SETS = FIX_FORMS + (GRAD_NORM, SKIPPED_STEP)
@@ -74,7 +101,7 @@ def fix_for(cls: type) -> PatchSet:
     """The form of the fix that goes with ``cls``: the one whose tracker ``cls`` defines (the current form when it
     defines neither, so that the guard reports the current tracker as missing)."""
     for patch_set in FIX_FORMS:
-        if patch_set.methods[0] in cls.__dict__:
+        if patch_set.tracker in cls.__dict__:
             return patch_set
     return OVERFLOW_FLAG
 
@@ -200,7 +227,7 @@ def classify_method(cls: type, name: str) -> Tuple[str, Optional[Callable]]:
     replacement = replacement_for(name, digest)
     if replacement is not None:
         return PATCHABLE, replacement
-    if name == OVERFLOW_FLAG.methods[0] and probe_tracker(cls) is None:
+    if name == OVERFLOW_FLAG.tracker and probe_tracker(cls) is None:
         return FIXED, None
     return MISMATCH, None
 
@@ -219,7 +246,7 @@ def probe_tracker(cls: type) -> Optional[str]:
 
     from deepspeed_offload_patch.hostsync import RaisingBoolTensor, count_host_syncs, on_the_cpu
 
-    tracker = cls.__dict__[OVERFLOW_FLAG.methods[0]]
+    tracker = cls.__dict__[OVERFLOW_FLAG.tracker]
     calls = []
 
     def check(x, j=None):
@@ -303,7 +330,7 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
     if results == {OURS}:
         return Decision(State.APPLIED, f"DeepSpeed {version}: already applied", methods)
     foreign = [name for name, result in methods.items() if result == FOREIGN]
-    if results == {FIXED} or (methods[patch_set.methods[0]] == FIXED and not foreign):
+    if results == {FIXED} or (methods[patch_set.tracker] == FIXED and not foreign):
         return Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version} already has the fixed form of {patch_set.name}",
                         methods)
     if foreign:
@@ -403,14 +430,14 @@ def inspect_skipped_step(cls: type, version: str) -> Decision:
     ``conflict`` when someone else replaced ``reset_cpu_buffers``; otherwise :func:`probe_skipped_step` decides
     between ``upstream-fixed`` and ``unsupported`` (whose reason names the interpreter where it, not DeepSpeed, is
     what changed)."""
-    name, witness = SKIPPED_STEP.methods[0], SKIPPED_STEP.witnesses[0]
+    name, (witness, ) = SKIPPED_STEP.tracker, SKIPPED_STEP.witnesses
     refused = _version_refused(version)
     if refused is not None:
         return Decision(State.UNSUPPORTED, refused)
     if not hasattr(cls, "_use_compact_grad_partition_buffer"):
         return Decision(
-            State.NOT_NEEDED,
-            f"DeepSpeed {version} has no compact fp32 gradient partition buffer (added in 0.19.8): a "
+            State.NOT_NEEDED, f"DeepSpeed {version} has no compact fp32 gradient partition buffer (added in "
+            f"{SKIPPED_STEP.first_release}): a "
             "skipped step leaves no gradient behind")
     found, replacement = classify_method(cls, name)
     step = cls.__dict__.get(witness)
