@@ -1,8 +1,10 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Benchmark: host syncs and time of the boundary backward, of ``step()``, of the whole optimizer step and of the
-overflow tracker, against the number of parameter tensors, unpatched vs patched vs patched with the on-device grad
-norm.
+"""Benchmark: host syncs and time per phase against the number of parameter tensors, unpatched vs patched.
+
+Measures the boundary backward, ``step()``, the whole optimizer step and the overflow tracker, unpatched vs patched
+vs patched with the on-device grad norm. Needs DeepSpeed 0.17.1 or later (it times
+``update_offload_overflow_tracker``, which earlier releases do not have).
 
     python -m deepspeed_offload_patch.bench --quick          # N = 50, 200; about 2 minutes on 2 CPU cores
     python -m deepspeed_offload_patch.bench                  # N = 50, 200, 800, 3200
@@ -20,9 +22,11 @@ Linear layers), with the optimizer offloaded to the CPU and gradient accumulatio
 * on CUDA, ``cudaStreamSynchronize``, ``aten::item`` and the other host waits counted by ``torch.profiler`` in the
   boundary backward, ``step()`` and the whole step (one more step, not timed).
 
-Prints a table with unpatched/patched ratios, writes JSON and a PNG plot (matplotlib). Exits 1 if a patched
-boundary backward synchronizes with the host, if the whole step with the on-device grad norm makes more host syncs
-at one N than at another, or if a patched run was not patched.
+Prints a table with unpatched/patched ratios, writes JSON and a PNG plot per stage (matplotlib); with ``--readme
+PATH``, writes the table into PATH and its JSON beside it (``docs/benchmark.json``), from which the docs test renders
+the table again. Exits 1 if a patched boundary backward synchronizes with the host, if the whole step with the
+on-device grad norm makes a different number of host syncs at one N than at another, if a patched run was not
+patched, or if a run crashes (with its traceback); 2 on a DeepSpeed before 0.17.1.
 """
 
 import argparse
@@ -322,6 +326,16 @@ def _deepspeed_version() -> str:
     return deepspeed_version() or "?"
 
 
+def render_readme(data: Dict[str, Any]) -> str:
+    """The caption and table that ``--readme`` writes, from the benchmark's JSON (``docs/benchmark.json``)."""
+    results = data["results"]
+    caption = (f"device: {results['patched'][0]['device']}, {data['world_size']} ranks, torch {data['torch']}, "
+               f"DeepSpeed {data['deepspeed']}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
+               f"median of {data['steps']} steps after {data['warmup']} warm-up, the slowest rank's. patched: "
+               f"{settings.GRAD_NORM}=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
+    return f"{caption}\n\n{render_table(results)}"
+
+
 def _write_readme(path: str, text: str) -> None:
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     with open(path) as f:
@@ -333,11 +347,13 @@ def _write_readme(path: str, text: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's argument parser (``python -m deepspeed_offload_patch.bench``)."""
-    parser = argparse.ArgumentParser(prog="python -m deepspeed_offload_patch.bench",
-                                     description=__doc__.splitlines()[0],
-                                     epilog="Exit: 0, or 1 if a patched boundary backward synchronizes with the host, "
-                                     "the whole step with the on-device grad norm grows with N, or a patched run was "
-                                     "not patched.")
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_offload_patch.bench",
+        description=__doc__.splitlines()[0],
+        epilog="Needs DeepSpeed 0.17.1 or later. Exit: 0; 1 if a patched boundary "
+        "backward synchronizes with the host, the whole step with the on-device grad norm "
+        "makes a different number of host syncs at one N than at another, a patched run "
+        "was not patched, or a run crashed; 2 on a DeepSpeed before 0.17.1.")
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", help="parameter tensors (default 50 200 800 3200)")
     parser.add_argument("--stages",
@@ -354,16 +370,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, help="untimed steps after the counting step (default 2, quick 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 5, quick 3)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2; 1 on a one-GPU machine)")
-    parser.add_argument("--out", default=os.path.join("reports", "bench"), help="folder for bench.json, bench.png")
-    parser.add_argument("--readme",
-                        metavar="PATH",
-                        help="also write the table into this Markdown file (docs/benchmark.md), between the "
-                        "<!-- bench:start --> and <!-- bench:end --> markers")
+    parser.add_argument("--out",
+                        default=os.path.join("reports", "bench"),
+                        help="folder for bench.json and bench-zero<stage>.png")
+    parser.add_argument(
+        "--readme",
+        metavar="PATH",
+        help="also write the table into this Markdown file (docs/benchmark.md), between the "
+        "<!-- bench:start --> and <!-- bench:end --> markers, and its JSON beside it (docs/benchmark.json)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from packaging.version import Version
+
+    if Version(_deepspeed_version()) < Version("0.17.1"):
+        print(
+            f"bench: needs DeepSpeed 0.17.1 or later (it times update_offload_overflow_tracker); this is "
+            f"{_deepspeed_version()}",
+            file=sys.stderr)
+        return 2
     sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 800, 3200])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     steps = args.steps or (3 if args.quick else 5)
@@ -376,19 +403,23 @@ def main(argv=None) -> int:
         per_rank = run_distributed(_rank_job, args.world_size, args=(configs, warmup, steps), env=env, timeout=3600)
         results[variant] = _combine(per_rank)
 
-    table = render_table(results)
-    caption = (f"device: {results['patched'][0]['device']}, {args.world_size} ranks, torch {torch.__version__}, "
-               f"DeepSpeed {_deepspeed_version()}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
-               f"median of {steps} steps after {warmup} warm-up, the slowest rank's. patched: "
-               f"{settings.GRAD_NORM}=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
+    data = {
+        "world_size": args.world_size,
+        "warmup": warmup,
+        "steps": steps,
+        "torch": torch.__version__,
+        "deepspeed": _deepspeed_version(),
+        "results": results
+    }
     print()
-    print(caption)
-    print(table)
+    print(render_readme(data))
     if args.readme:
-        _write_readme(args.readme, f"{caption}\n\n{table}")
+        _write_readme(args.readme, render_readme(data))
+        with open(os.path.splitext(args.readme)[0] + ".json", "w") as f:
+            json.dump(data, f, indent=1)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump({"world_size": args.world_size, "warmup": warmup, "steps": steps, "results": results}, f, indent=1)
+        json.dump(data, f, indent=1)
     drawn = [plot(results, os.path.join(args.out, f"bench-zero{stage}.png"), stage) for stage in args.stages]
     print(f"wrote {os.path.join(args.out, 'bench.json')}" +
           (f" and bench-zero{{{','.join(map(str, args.stages))}}}.png"
