@@ -76,7 +76,7 @@ def release_with_the_same_methods(part: str = FIX) -> Optional[str]:
         names = patch_set.methods + patch_set.witnesses
     shipped = []
     for name in names:
-        original = patcher._originals.get(name, cls.__dict__.get(name))
+        original = patcher.originals().get(name, cls.__dict__.get(name))
         shipped.append(set(UNFIXED.get(name, {}).get(guard.fingerprint(original) if original else None, ())))
     common = set.intersection(*shipped) if shipped else set()
     return max(common, key=Version) if common else None

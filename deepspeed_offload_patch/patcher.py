@@ -53,10 +53,26 @@ class PatchStatus:
         return asdict(self)
 
 
+@dataclass
+class AppliedPatch:
+    """What one patch set installed on DeepSpeed's class in this process: the class, DeepSpeed's functions and their
+    replacements (by method name), and the ``__init_subclass__`` hook it added to the class (None when the class had
+    one already: DeepSpeed's own, or an earlier set's)."""
+
+    patch_set: str  # the PatchSet's name
+    cls: type
+    originals: Dict[str, Callable]
+    replacements: Dict[str, Callable]
+    subclass_watch: Optional[object] = None
+
+    def ours(self, name: str) -> bool:
+        """Whether the class's attribute ``name`` is still this set's replacement."""
+        return name in self.replacements and self.cls.__dict__.get(name) is self.replacements[name]
+
+
 _lock = threading.RLock()
-_originals: Dict[str, Callable] = {}  # DeepSpeed's functions, by method name, while the patch is applied
-_installed: Dict[str, Callable] = {}  # the replacements this process installed, by method name
-_subclass_watch: Dict[type, object] = {}  # the __init_subclass__ hook installed on the patched class
+#: The patch sets applied in this process, by PatchSet name, in the order they applied; emptied by revert().
+_applied: Dict[str, AppliedPatch] = {}
 _status = PatchStatus(State.NOT_APPLIED, None, "the patch has not been applied in this process")
 
 
@@ -127,14 +143,15 @@ def _apply_set(cls: type, patch_set):
         decision = inspect_skipped_step(cls, version)
     else:
         decision = inspect_target(cls, version, patch_set)
-    for name, replacement in decision.replacements.items():
-        _originals[name] = cls.__dict__[name]
-        _installed[name] = replacement
-        setattr(cls, name, replacement)
     if decision.replacements:
+        record = AppliedPatch(patch_set.name, cls, {name: cls.__dict__[name]
+                                                    for name in decision.replacements}, dict(decision.replacements))
+        _applied[patch_set.name] = record
+        for name, replacement in decision.replacements.items():
+            setattr(cls, name, replacement)
         for sub in _subclasses(cls):
             _warn_if_overriding(sub)
-        _watch_subclasses(cls)
+        record.subclass_watch = _watch_subclasses(cls)
     return decision
 
 
@@ -181,21 +198,20 @@ def _left_out(switch: str) -> tuple:
 
 
 def _restore(module: ModuleType) -> None:
-    """Put back every original whose attribute is still ours, and forget them all."""
-    if not _originals:
+    """Put back every original whose attribute is still ours, and forget every applied set."""
+    if not _applied:
         return
-    cls = getattr(module, TARGET_CLASS)
-    for name, original in _originals.items():
-        if cls.__dict__.get(name) is _installed[name]:
-            setattr(cls, name, original)
-        else:
-            warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
-    _originals.clear()
-    _installed.clear()
-    if cls.__dict__.get("__init_subclass__") is _subclass_watch.get(cls):
-        del cls.__init_subclass__
-    _subclass_watch.pop(cls, None)
-    _settle_live_flags(cls)
+    for record in _applied.values():
+        for name, original in record.originals.items():
+            if record.ours(name):
+                setattr(record.cls, name, original)
+            else:
+                warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
+        watch = record.subclass_watch
+        if watch is not None and record.cls.__dict__.get("__init_subclass__") is watch:
+            del record.cls.__init_subclass__
+    _applied.clear()
+    _settle_live_flags(getattr(module, TARGET_CLASS))
 
 
 def _settle_live_flags(cls: type) -> None:
@@ -222,24 +238,25 @@ def _subclasses(cls: type) -> List[type]:
 
 def _warn_if_overriding(sub: type) -> None:
     """A subclass that defines a patched method itself runs its own method, not the patch's: say which."""
-    for name in list(_installed):
+    for name in [name for record in list(_applied.values()) for name in record.replacements]:
         if name in sub.__dict__:
             warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {TARGET_CLASS}.{name}: its instances run "
                       f"that override instead of the patch's {name} (the other patched method still applies)")
 
 
-def _watch_subclasses(cls: type) -> None:
+def _watch_subclasses(cls: type) -> Optional[object]:
     """Warn about overriding subclasses defined after the patch, too: hook their creation with
-    ``__init_subclass__`` on the patched class (removed on revert). Left out if DeepSpeed defines its own."""
+    ``__init_subclass__`` on the patched class (removed on revert). Returns the hook; None, and nothing added, when
+    the class has one already (DeepSpeed's own, or the hook of a set applied before)."""
     if "__init_subclass__" in cls.__dict__:
-        return
+        return None
 
     def __init_subclass__(sub, **kwargs):
         super(cls, sub).__init_subclass__(**kwargs)
         _warn_if_overriding(sub)
 
     cls.__init_subclass__ = classmethod(__init_subclass__)
-    _subclass_watch[cls] = cls.__dict__["__init_subclass__"]
+    return cls.__dict__["__init_subclass__"]
 
 
 def _target_failed(exc: BaseException) -> PatchStatus:
@@ -341,7 +358,7 @@ def revert() -> PatchStatus:
     with _lock:
         import_hook.cancel(TARGET_MODULE)
         module = sys.modules.get(TARGET_MODULE)
-        if not _originals or module is None:
+        if not _applied or module is None:
             return _set(State.REVERTED,
                         "the pending patch was cancelled") if _status.state == State.PENDING else status()
         had_grad_norm = _status.grad_norm_on_device == State.APPLIED
@@ -363,8 +380,7 @@ def is_applied() -> bool:
     cls = getattr(module, TARGET_CLASS, None)
     if cls is None:
         return False
-    methods = fix_methods(cls)
-    return all(name in _installed and cls.__dict__.get(name) is _installed[name] for name in methods)
+    return all(_still_ours(name) for name in fix_methods(cls))
 
 
 def status() -> PatchStatus:
@@ -375,19 +391,27 @@ def status() -> PatchStatus:
         if current.state == State.APPLIED and not is_applied():
             current.state = State.CONFLICT
             current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
-        if current.grad_norm_on_device == State.APPLIED and not _still_ours(
-                "complete_grad_norm_calculation_for_cpu_offload"):
-            current.grad_norm_on_device = State.CONFLICT
-            current.grad_norm_reason = (
-                f"{TARGET_CLASS}.complete_grad_norm_calculation_for_cpu_offload was replaced by "
-                "someone else after the patch applied")
-        if current.skipped_step == State.APPLIED and not _still_ours("reset_cpu_buffers"):
-            current.skipped_step = State.CONFLICT
-            current.skipped_step_reason = (f"{TARGET_CLASS}.reset_cpu_buffers was replaced by someone else after the "
-                                           "patch applied")
+        if State.APPLIED in (current.grad_norm_on_device, current.skipped_step):
+            from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
+
+            for state, reason, patch_set in (("grad_norm_on_device", "grad_norm_reason", GRAD_NORM),
+                                             ("skipped_step", "skipped_step_reason", SKIPPED_STEP)):
+                if getattr(current, state) == State.APPLIED and not all(map(_still_ours, patch_set.methods)):
+                    setattr(current, state, State.CONFLICT)
+                    setattr(
+                        current, reason, f"{TARGET_CLASS}.{', '.join(patch_set.methods)} was replaced by "
+                        "someone else after the patch applied")
         return current
 
 
+def originals() -> Dict[str, Callable]:
+    """DeepSpeed's own functions that the applied patch sets replaced, by method name (a copy; empty before the patch
+    applies and after ``revert()``)."""
+    with _lock:
+        return {name: original for record in _applied.values() for name, original in record.originals.items()}
+
+
 def _still_ours(name: str) -> bool:
+    """Whether method ``name`` of the loaded DeepSpeed's class is still the replacement an applied set installed."""
     cls = getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
-    return cls is not None and name in _installed and cls.__dict__.get(name) is _installed[name]
+    return cls is not None and any(record.cls is cls and record.ours(name) for record in _applied.values())

@@ -46,7 +46,7 @@ def test_installed_deepspeed_is_a_recorded_unfixed_form():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
     for name in guard.fix_methods(DeepSpeedZeroOptimizer):
-        original = patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
+        original = patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
         releases = UNFIXED[name][guard.fingerprint(original)]
         # A build newer than the releases tested (0.19.9 from 0.19.8's sdist) has one of their forms.
         assert guard.newer_than_tested(deepspeed.__version__) or deepspeed.__version__ in releases, name
@@ -110,7 +110,7 @@ def _unfixed_sources() -> str:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
     return "\n".join(
-        textwrap.dedent(inspect.getsource(patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])))
+        textwrap.dedent(inspect.getsource(patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])))
         for name in guard.fix_methods(DeepSpeedZeroOptimizer))
 
 

@@ -39,7 +39,7 @@ def test_apply_from_many_threads_at_once():
         assert not errors and states == ["applied"] * 8, (states, errors)
         cls = target()
         assert is_ours(cls) and dop.is_applied()
-        originals = dict(patcher._originals)
+        originals = patcher.originals()
         # The fix's two methods, the grad norm's, and reset_cpu_buffers where the skipped-step fix applies (0.19.8).
         expected = ["complete_grad_norm_calculation_for_cpu_offload", "has_overflow", "update_offload_overflow_tracker"]
         if dop.status().skipped_step == "applied":

@@ -28,7 +28,7 @@ def _originals():
 
     from deepspeed_offload_patch import patcher
     return {
-        name: patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
+        name: patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
         for name in ("step", "reset_cpu_buffers")
     }
 

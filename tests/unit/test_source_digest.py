@@ -111,7 +111,7 @@ def test_an_interpreter_that_reads_code_otherwise_is_named_not_deepspeed(monkeyp
     from deepspeed_offload_patch import patcher
     # DeepSpeed's own methods (this process may have patched the class): a class of them in DeepSpeed's module.
     originals = {
-        name: patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
+        name: patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
         for name in guard.fix_methods(DeepSpeedZeroOptimizer)
     }
     cls = type("DeepSpeedZeroOptimizer", (), dict(originals, __module__=DeepSpeedZeroOptimizer.__module__))

@@ -23,7 +23,7 @@ def _deepspeed_original():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
     name = "complete_grad_norm_calculation_for_cpu_offload"
-    return patcher._originals.get(name, DeepSpeedZeroOptimizer.__dict__[name])
+    return patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
 
 
 def _replacement():
