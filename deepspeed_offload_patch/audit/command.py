@@ -4,11 +4,12 @@
 
 The command runs as ``ds-offload-patch run`` runs it (the patch applied in every Python process it starts, the
 ranks of ``deepspeed``, ``torchrun`` and ``accelerate launch`` included), with
-:mod:`~deepspeed_offload_patch.auditor` counting in each rank. Afterwards this process reads every rank's report,
+:mod:`~deepspeed_offload_patch.audit.rank` counting in each rank. Afterwards this process reads every rank's report,
 checks the budgets and writes ``--json``.
 
-Exit codes: the command's own code when it fails; 1 when a budget is exceeded, or when no rank counted a whole
-optimizer step (nothing was audited, which a CI gate must not take for a pass); 0 otherwise.
+Exit codes: the command's own code when it fails; 127 when it cannot be started; 1 when a budget is exceeded, or when
+no rank counted a whole optimizer step (nothing was audited, which a CI gate must not take for a pass); 0 otherwise.
+(The CLI exits 2 before this runs when no command is given.)
 """
 
 import glob
