@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write ``patches/``: the change as unified diffs of ``deepspeed/runtime/zero/stage_1_and_2.py``, one per form.
 
-For each patch set (the fix in ``patches/``, the grad norm in ``patches/grad-norm-on-device/``) and each
-supported release, it replaces the set's methods in the release's own file (from its sdist) with this package's
-replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
+For each patch set (the fix in ``patches/``, the grad norm in ``patches/grad-norm-on-device/``, the skipped-step
+fix in ``patches/skipped-step-buffer/``) and each supported release, it replaces the set's methods in the release's
+own file (from its sdist) with this package's replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
 applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
 (release -> diff) and ``README.md``. ``--check`` writes nothing and exits 1 when ``patches/`` differs from what the
 sources give, when a diff does not apply to one of its releases, when a patched file's methods are not equal

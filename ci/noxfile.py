@@ -17,9 +17,10 @@
 
 For a supported release, ``release`` checks that the import patches it (``status`` is ``applied``) and runs the test
 suite: all of ``tests/unit``, or with the session argument ``core`` (``matrix`` passes it) the ZeRO regression tests
-plus ``ds-offload-patch check`` and ``verify`` (the rest of the suite tests the package's own mechanics, the same on
+and ``tests/unit/test_guard.py`` plus ``ds-offload-patch check`` and ``verify`` (the rest of the suite tests the package's own mechanics, the same on
 every release; the representative releases run it). Then it applies the release's diffs from ``patches/``
-(the fix and the grad norm) to the installed DeepSpeed: the package must report both as ``upstream-fixed``,
+(the fix, the grad norm and, from 0.19.8, the skipped-step fix) to the installed DeepSpeed: the package must report
+each as ``upstream-fixed``,
 and with the monkey-patch disabled the ZeRO regression tests (but the equivalence tests, which would compare the
 diffs with themselves) must pass on the diffs alone. The file is restored after. Each session writes
 ``reports/matrix/<release>.json``. A release outside the supported range is exercised by the ``variant`` sessions
@@ -51,9 +52,10 @@ from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
 os.environ["PATH"] = os.pathsep.join([os.path.dirname(path)
                                       for path in map(find, SUPPORTED) if path] + [os.environ.get("PATH", "")])
 
-# One release per form of the methods (patches/ has one diff per form): the last of the 0.14.0-0.17.0 form, the first
-# of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check returns fp32) and the latest (0.19.7+: bool).
-# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 with "lite", 0.19.6 with "smoke" and the training stacks,
+# One release per diff of the fix (three forms of the methods, four diffs: 0.19.7 changed _has_inf_or_nan's result):
+# the last of the 0.14.0-0.17.0 form, the first of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check
+# returns fp32) and the latest (0.19.7+: bool).
+# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 with "smoke", 0.19.6 with "smoke" and the training stacks,
 # and the variants with "smoke" or "lite" (the sync tests on upstream's fixed code); not 0.19.8, whose whole suite and
 # red/green run ci/test.sh already ran in the checkout's own venv. None runs its diffs in CI (no-diff):
 # test_sources.py checks them statically on every release.
@@ -571,7 +573,7 @@ def states(session: nox.Session) -> None:
     must read ``applied``, the on-device grad norm ``applied``, the skipped-step fix ``not-needed`` before 0.19.8 and
     ``applied`` from it on (the variants
     session shows ``upstream-fixed`` on a build with upstream's own fix). Writes ``reports/states.json``; fails on any
-    other state. About 15 s a release (the install)."""
+    other state."""
     session.chdir(ROOT)
     found = {}
     order = [v for v in PATCHED_RELEASES if v not in NOT_ON_CPU and v not in OLDER_TORCH] + list(OLDER_TORCH)
@@ -640,7 +642,7 @@ def stacks(session: nox.Session, deepspeed: str) -> None:
     """HF Trainer (``torchrun`` and the ``deepspeed`` launcher), Accelerate and Lightning, each launched as their
     users launch them, unpatched, under ``ds-offload-patch run`` and with a plain import (``tests/stacks``): no host
     sync in any boundary backward and bit-identical training; then the patched tests again with the patch disabled,
-    which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs this on 0.19.6, after its ``lite``
+    which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs this on 0.19.6, after its ``smoke``
     run: ``nox -s ci-3.13 -- 0.19.6:smoke,no-diff,stacks``.)"""
     _install(session, deepspeed)
     _stacks(session, deepspeed)

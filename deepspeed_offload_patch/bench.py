@@ -6,7 +6,7 @@ Measures the boundary backward, ``step()``, the whole optimizer step and the ove
 vs patched with the on-device grad norm. Needs DeepSpeed 0.17.1 or later (it times
 ``update_offload_overflow_tracker``, which earlier releases do not have).
 
-    python -m deepspeed_offload_patch.bench --quick          # N = 50, 200; about 2 minutes on 2 CPU cores
+    python -m deepspeed_offload_patch.bench --quick          # N = 50, 200 (CI runs it)
     python -m deepspeed_offload_patch.bench                  # N = 50, 200, 800, 3200
     python -m deepspeed_offload_patch.bench --world-size 1   # on a GPU machine: also counts CUDA syncs
 
