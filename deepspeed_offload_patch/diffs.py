@@ -66,7 +66,6 @@ def release_with_the_same_methods(part: str = FIX) -> Optional[str]:
     import importlib
 
     from deepspeed_offload_patch import guard, patcher
-    from deepspeed_offload_patch.fingerprints import UNFIXED
 
     cls = getattr(importlib.import_module(patcher.TARGET_MODULE), patcher.TARGET_CLASS)
     if part == FIX:
@@ -74,9 +73,6 @@ def release_with_the_same_methods(part: str = FIX) -> Optional[str]:
     else:
         patch_set = next(p for p in guard.PATCH_SETS if p.name == part)
         names = patch_set.methods + patch_set.witnesses
-    shipped = []
-    for name in names:
-        original = patcher.originals().get(name, cls.__dict__.get(name))
-        shipped.append(set(UNFIXED.get(name, {}).get(guard.fingerprint(original) if original else None, ())))
-    common = set.intersection(*shipped) if shipped else set()
+    originals = patcher.originals()
+    common = guard.releases_shipping({name: originals.get(name, cls.__dict__.get(name)) for name in names})
     return max(common, key=Version) if common else None

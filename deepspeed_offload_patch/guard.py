@@ -184,6 +184,19 @@ def replacement_for(name: str, digest: Optional[str]) -> Optional[Callable]:
     return None
 
 
+def releases_shipping(functions: Dict[str, Optional[Callable]]) -> Tuple[str, ...]:
+    """The releases that ship every one of these forms: for each ``method name: function``, the releases whose
+    method has that function's form (its fingerprint in :data:`UNFIXED`), intersected, in release order. Empty when
+    no release ships them all, or a function is None, has no readable source or is a form no release shipped."""
+    shipped = [
+        UNFIXED.get(name, {}).get(fingerprint(func) if func is not None else None, ())
+        for name, func in functions.items()
+    ]
+    if not shipped:
+        return ()
+    return tuple(v for v in shipped[0] if all(v in releases for releases in shipped[1:]))
+
+
 def release_of(version: str) -> Optional[Version]:
     """The release part of a version string (``0.19.8+abc`` gives 0.19.8), or None if it is not a version."""
     try:
@@ -349,8 +362,10 @@ def inspect_target(cls: type, version: str, patch_set: Optional[PatchSet] = None
         return Decision(
             State.UNSUPPORTED, f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
-    shipped = [UNFIXED[name][fingerprint(cls.__dict__[name])] for name in patch_set.methods]
-    common = tuple(v for v in shipped[0] if all(v in releases for releases in shipped[1:])) or shipped[0]
+    # Every method is a known form here; should no one release ship them all, the tracker's releases are said.
+    common = (releases_shipping({name: cls.__dict__[name]
+                                 for name in patch_set.methods})
+              or releases_shipping({patch_set.tracker: cls.__dict__[patch_set.tracker]}))
     if newer_than_tested(version):
         reason = (f"DeepSpeed {version} is newer than the releases tested ({FIRST} to {LAST}); its methods match "
                   f"the unfixed form of DeepSpeed {_releases_text(common)}")
@@ -452,7 +467,7 @@ def inspect_skipped_step(cls: type, version: str) -> Decision:
     if found == FIXED:
         return Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version}: {name} is already the fixed form", methods)
     if found == PATCHABLE and step_known:
-        releases = UNFIXED[witness][fingerprint(step)]
+        releases = releases_shipping({witness: step})
         form = (f"step() and {name} match the form of DeepSpeed {_releases_text(releases)}, whose skipped steps keep "
                 "their gradient")
         if newer_than_tested(version):
