@@ -23,7 +23,7 @@ GRAD_ACCUM = 2
 def _verify_rank(steps: int) -> Dict[str, Any]:
     import deepspeed_offload_patch as dop
     from deepspeed_offload_patch.hostsync import HostSyncError, no_host_sync
-    from deepspeed_offload_patch.testing.equivalence import flag_is_read
+    from deepspeed_offload_patch.testing.installed import flag_is_read
     from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
 
     precision = "bf16" if flag_is_read("bf16") else "fp16"

@@ -29,6 +29,7 @@ import torch
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
+from deepspeed_offload_patch.testing.installed import flag_is_read, per_param_tracker
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
 from deepspeed_offload_patch.testing.models import (ManyLinear, ModelParallelGroups, SometimesUnused, WithExperts,
                                                     batch, ds_config, make_engine, optimizer_step)
@@ -232,25 +233,6 @@ def invalid_norm_skips_step() -> bool:
     from deepspeed_offload_patch.guard import release_of
 
     return release_of(deepspeed.__version__) >= Version("0.19.8")
-
-
-def per_param_tracker() -> bool:
-    """Whether the installed DeepSpeed has the tracker of 0.14.0 to 0.17.0,
-    ``update_overflow_tracker_for_param_grad(param)`` (patched or not)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from deepspeed_offload_patch.guard import OVERFLOW_FLAG_PER_PARAM, fix_for
-
-    return fix_for(DeepSpeedZeroOptimizer) is OVERFLOW_FLAG_PER_PARAM
-
-
-def flag_is_read(precision: str) -> bool:
-    """Whether ``step()`` of the installed DeepSpeed reads the offload overflow flag in ``precision`` (a
-    :class:`Run` precision): fp16 always; bf16 with the check on from 0.17.1 (before, ``step()`` checks overflow in
-    fp16 only); bf16 with the check off and fp32 never. Where it is not read, the patched tracker checks nothing."""
-    if precision == "fp16":
-        return True
-    return precision == "bf16" and not per_param_tracker()
 
 
 def bad_gradients_survive(precision: str) -> bool:

@@ -13,11 +13,12 @@ PACKAGE = "deepspeed_offload_patch"
 FLOORS = {
     # What DeepSpeed's methods are replaced with, the data, and mechanisms that know nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "launcher", "overflow",
-        "grad_norm", "skipped_step", "testing.launch", "audit.report"),
+        "grad_norm", "skipped_step", "testing.launch", "audit.report", "states"),
     1: ("settings", "guard"),  # the switches; the decision whether to patch
     2: ("patcher", ),  # applies and reverts, keeps the status
-    # The package's face; what runs in each audited rank; diffs; helpers; a job's defects from its config.
-    3: ("", "audit.rank", "diffs", "testing", "affected"),
+    # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
+    # verify and the harness); a job's defects from its config.
+    3: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
     4: ("testing.models", "audit.command"),
     5: ("testing.equivalence", "audit"),
     6: ("verify", "demo", "bench"),

@@ -1,0 +1,28 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""What the installed DeepSpeed does that a check must adapt to: which tracker it has, and in which precision
+``step()`` reads the offload overflow flag.
+
+Small on purpose: ``ds-offload-patch verify`` needs these and nothing of the equivalence harness
+(:mod:`deepspeed_offload_patch.testing.equivalence`, which re-exports them). Each imports DeepSpeed's ZeRO module.
+"""
+
+
+def per_param_tracker() -> bool:
+    """Whether the installed DeepSpeed has the tracker of 0.14.0 to 0.17.0,
+    ``update_overflow_tracker_for_param_grad(param)`` (patched or not)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_offload_patch.guard import OVERFLOW_FLAG_PER_PARAM, fix_for
+
+    return fix_for(DeepSpeedZeroOptimizer) is OVERFLOW_FLAG_PER_PARAM
+
+
+def flag_is_read(precision: str) -> bool:
+    """Whether ``step()`` of the installed DeepSpeed reads the offload overflow flag in ``precision`` (as
+    :class:`~deepspeed_offload_patch.testing.equivalence.Run` names it): fp16 always; bf16 with the check on from
+    0.17.1 (before, ``step()`` checks overflow in fp16 only); bf16 with the check off and fp32 never. Where it is not
+    read, the patched tracker checks nothing."""
+    if precision == "fp16":
+        return True
+    return precision == "bf16" and not per_param_tracker()
