@@ -115,3 +115,39 @@ def test_what_you_gain_on_the_gpu_is_the_measured_one():
     row = _gain_row("on one H200 GPU")
     assert f"398 tensors" in row and f"boundary backward {before} → {after}" in row, row
     assert f"per optimizer step {whole_before} → {whole_after} ({whole_fix_only} with the grad norm left out)" in row, row
+
+
+def test_the_cpu_benchmark_table_is_the_measured_one():
+    """docs/benchmark.md's table is what ``bench --readme docs/benchmark.md`` rendered from the JSON it wrote beside
+    it; README's time ratio range is that JSON's."""
+    import json
+
+    from deepspeed_offload_patch.bench import render_readme
+
+    with open(os.path.join(ROOT, "docs", "benchmark.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(ROOT, "docs", "benchmark.md")) as f:
+        assert _between(f.read(), "bench") == render_readme(data)
+    unpatched, patched = data["results"]["unpatched"], data["results"]["patched"]
+    ratios = [u["backward_s"] / p["backward_s"] for u, p in zip(unpatched, patched)]
+    row = _gain_row("time on the CPU")
+    assert f"({min(ratios):.1f}x – {max(ratios):.1f}x per configuration" in row, row
+    with open(os.path.join(ROOT, "docs", "benchmark.md")) as f:
+        assert f"range from {min(ratios):.1f}x to {max(ratios):.1f}x" in f.read()
+    whole = {r["whole_syncs"] for r in data["results"]["patched+grad-norm"] if r["mode"] == "bf16-check"}
+    assert len(whole) == 1 and f"; {whole.pop()} at any size" in _gain_row("host syncs per optimizer step")
+
+
+def test_the_reason_for_a_later_build_is_the_one_releases_md_shows():
+    """docs/releases.md quotes the reason a build newer than the releases tested gets (0.19.8's code, numbered 0.19.9):
+    the guard gives exactly that text for the installed DeepSpeed's class (the default suite's 0.19.8), unpatched."""
+    program = """
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed_offload_patch.guard import OVERFLOW_FLAG, inspect_target
+print(inspect_target(DeepSpeedZeroOptimizer, "0.19.9", OVERFLOW_FLAG).reason)
+"""
+    result = run_command([sys.executable, "-c", program], env={"DS_OFFLOAD_PATCH_DISABLE": "1"})
+    assert result.returncode == 0, result
+    reason = result.stdout.strip().splitlines()[-1]
+    with open(os.path.join(ROOT, "docs", "releases.md")) as f:
+        assert f"```\n{reason}\n```" in f.read(), reason
