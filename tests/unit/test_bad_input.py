@@ -95,3 +95,23 @@ def test_documented_exit_codes_of_run_audit_and_affected(args, code):
     result = run_command(CLI + args)
     assert result.returncode == code, result
     assert "Traceback" not in result.stderr, result
+
+
+def test_an_odd_strict_value_reads_as_not_strict_where_the_patch_cannot_apply():
+    """``STRICT=maybe`` warns that it reads as 0, and then does what 0 does on an unknown release: one WARNING, DeepSpeed
+    untouched, no error."""
+    result = _python(
+        """
+        import deepspeed_offload_patch as dop
+        from deepspeed_offload_patch import patcher
+        patcher.deepspeed_version = lambda: "0.13.5"
+        import deepspeed
+        import deepspeed.runtime.zero.stage_1_and_2
+        assert dop.status().state == "unsupported", dop.status()
+        assert not dop.is_applied()
+    """,
+        DS_OFFLOAD_PATCH_STRICT="maybe")
+    assert result.returncode == 0, result
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "[deepspeed_offload_patch]" in line]
+    assert any("'maybe' is neither 0 nor 1" in line and "not strict" in line for line in lines), lines
+    assert any("0.13.5" in line and "unsupported" in line for line in lines), lines
