@@ -151,3 +151,20 @@ print(inspect_target(DeepSpeedZeroOptimizer, "0.19.9", OVERFLOW_FLAG).reason)
     reason = result.stdout.strip().splitlines()[-1]
     with open(os.path.join(ROOT, "docs", "releases.md")) as f:
         assert f"```\n{reason}\n```" in f.read(), reason
+
+
+def test_the_upstream_report_s_change_applies_to_deepspeed_0_19_8(tmp_path):
+    """docs/upstream/skipped-step.md proposes its change as a diff to apply at the top of a 0.19.8 checkout: it applies
+    to the installed 0.19.8's file as it stands."""
+    import importlib.util
+    import shutil
+
+    with open(os.path.join(ROOT, "docs", "upstream", "skipped-step.md")) as f:
+        change = f.read().split("```diff\n", 1)[1].split("```", 1)[0]
+    target = "deepspeed/runtime/zero/stage_1_and_2.py"
+    site = os.path.dirname(os.path.dirname(importlib.util.find_spec("deepspeed").origin))
+    (tmp_path / os.path.dirname(target)).mkdir(parents=True)
+    shutil.copy(os.path.join(site, target), tmp_path / target)
+    (tmp_path / "change.diff").write_text(change)
+    result = run_command(["patch", "-p1", "--dry-run", "-i", "change.diff"], cwd=tmp_path)
+    assert result.returncode == 0 and "FAILED" not in result.stdout, result
