@@ -50,7 +50,7 @@ def pytest_configure(config) -> None:
         import deepspeed_offload_patch as dop
         from deepspeed_offload_patch.states import State
         if dop.status().state == State.NOT_APPLIED:  # imported earlier without patching
-            dop.install()
+            dop.patch_on_import()
 
 
 def _auto_switch() -> str:

@@ -9,10 +9,10 @@ patch, it leaves DeepSpeed untouched and says why in ``status()`` and in one WAR
 ``import deepspeed`` fails on its own. ``DS_OFFLOAD_PATCH_DISABLE=1`` turns the import into a no-op.
 """
 
-from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, install, is_applied, revert,
-                                             status)
+from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, is_applied, patch_on_import,
+                                             revert, status)
 
 __version__ = "0.2.0.dev0"
 __all__ = ["apply", "revert", "is_applied", "status", "PatchStatus", "PatchError", "GOOD_STATES", "__version__"]
 
-install()
+patch_on_import()

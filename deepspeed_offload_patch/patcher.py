@@ -122,7 +122,9 @@ def _set(state: State,
     return _status
 
 
-def _report(what: str, state: str, reason: str, strict: bool) -> None:
+def _log_or_raise(what: str, state: State, reason: str, strict: bool) -> None:
+    """Log the outcome of one change: INFO when applied or not needed, one WARNING when it cannot apply (unsupported,
+    conflict); nothing for other states. Raises PatchError instead of that WARNING when ``strict``."""
     if state == State.APPLIED:
         info_once(f"{what}: applied: {reason}")
     elif state in (State.UPSTREAM_FIXED, State.NOT_NEEDED):
@@ -182,12 +184,12 @@ def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchSta
                 else:
                     states[name] = _left_out(switch)
             status = _set(fix.state, fix.reason, methods, **states)
-    _report("the offload overflow flag fix", status.state, status.reason, strict)
+    _log_or_raise("the offload overflow flag fix", status.state, status.reason, strict)
     # One message per cause: a DeepSpeed that the changes refuse for the same reason (its version) is said once.
     if grad_norm and (status.grad_norm_on_device, status.grad_norm_reason) != (status.state, status.reason):
-        _report("the on-device grad norm", status.grad_norm_on_device, status.grad_norm_reason, strict)
+        _log_or_raise("the on-device grad norm", status.grad_norm_on_device, status.grad_norm_reason, strict)
     if skipped_step and (status.skipped_step, status.skipped_step_reason) != (status.state, status.reason):
-        _report("the skipped-step fix", status.skipped_step, status.skipped_step_reason, strict)
+        _log_or_raise("the skipped-step fix", status.skipped_step, status.skipped_step_reason, strict)
     return status
 
 
@@ -263,7 +265,7 @@ def _target_failed(exc: BaseException) -> PatchStatus:
     status = _set(
         State.UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
         f"when an import of it succeeds")
-    _report("the offload overflow flag fix", status.state, status.reason, strict=False)
+    _log_or_raise("the offload overflow flag fix", status.state, status.reason, strict=False)
     return status
 
 
@@ -285,10 +287,10 @@ def _on_target_import(module: ModuleType) -> None:
     except Exception as exc:  # a bug here must not stop training
         _restore(module)
         status = _set(State.UNSUPPORTED, f"internal error while patching: {exc!r}")
-        _report("the patch", status.state, status.reason, strict)
+        _log_or_raise("the patch", status.state, status.reason, strict)
 
 
-def install() -> PatchStatus:
+def patch_on_import() -> PatchStatus:
     """What importing the package does: patch now if DeepSpeed's ZeRO module is loaded, else when it is imported.
 
     Does not import DeepSpeed. Honours ``DS_OFFLOAD_PATCH_DISABLE``, and ``DS_OFFLOAD_PATCH_AUTO=0`` (the import
