@@ -168,3 +168,22 @@ def test_the_upstream_report_s_change_applies_to_deepspeed_0_19_8(tmp_path):
     (tmp_path / "change.diff").write_text(change)
     result = run_command(["patch", "-p1", "--dry-run", "-i", "change.diff"], cwd=tmp_path)
     assert result.returncode == 0 and "FAILED" not in result.stdout, result
+
+
+def test_readme_s_state_table_gives_each_state_the_cli_s_exit_code():
+    """README's table of states and exit codes says what ``cli.EXIT_CODES`` makes ``check`` and ``status`` return."""
+    from deepspeed_offload_patch.cli import EXIT
+    from deepspeed_offload_patch.states import State
+
+    section = _readme_section("Python API and switches")
+    rows = [line for line in section.splitlines() if line.startswith("| `") and line.rstrip().endswith("|")]
+    stated = {}
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        if cells[-1].isdigit():
+            for state in re.findall(r"`([a-z-]+)`", cells[0]):
+                stated[state] = int(cells[-1])
+    documented = {state.value for state in State} - {State.OFF.value, State.NOT_NEEDED.value}
+    assert set(stated) == documented, set(stated) ^ documented
+    for state, code in stated.items():
+        assert EXIT.get(State(state), 0 if state in ("applied", "upstream-fixed") else 1) == code, state
