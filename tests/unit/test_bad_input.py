@@ -100,8 +100,7 @@ def test_documented_exit_codes_of_run_audit_and_affected(args, code):
 def test_an_odd_strict_value_reads_as_not_strict_where_the_patch_cannot_apply():
     """``STRICT=maybe`` warns that it reads as 0, and then does what 0 does on an unknown release: one WARNING, DeepSpeed
     untouched, no error."""
-    result = _python(
-        """
+    result = _python("""
         import deepspeed_offload_patch as dop
         from deepspeed_offload_patch import patcher
         patcher.deepspeed_version = lambda: "0.13.5"
@@ -110,7 +109,7 @@ def test_an_odd_strict_value_reads_as_not_strict_where_the_patch_cannot_apply():
         assert dop.status().state == "unsupported", dop.status()
         assert not dop.is_applied()
     """,
-        DS_OFFLOAD_PATCH_STRICT="maybe")
+                     DS_OFFLOAD_PATCH_STRICT="maybe")
     assert result.returncode == 0, result
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "[deepspeed_offload_patch]" in line]
     assert any("'maybe' is neither 0 nor 1" in line and "not strict" in line for line in lines), lines
