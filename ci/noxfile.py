@@ -7,6 +7,7 @@
     nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite] [stacks]
     nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
+    nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d (0.19.8)
     nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
     nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:lite,no-diff 0.19.6:smoke,no-diff,stacks   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
@@ -313,7 +314,8 @@ def _finish_layout(session: nox.Session, kind: str, deepspeed: str, tests: dict,
         "unpatched": unpatched,
         **more
     }
-    result["red_green"] = "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL"
+    # A session whose red/green run also holds tests that pass unpatched passes its own verdict in ``more``.
+    result.setdefault("red_green", "pass" if unpatched["failed"] and not unpatched["passed"] else "FAIL")
     result["commit"] = _commit()
     with open(os.path.join(LAYOUTS, f"{kind}-{deepspeed}.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -692,3 +694,35 @@ def _stack_sides(modes: dict, routes: tuple) -> dict:
         }
         for side, names in sides.items()
     }
+
+
+@nox.session
+def multinode(session: nox.Session) -> None:
+    """Two nodes on one machine (``tests/multinode``: a real ``sshd``, DeepSpeed's pdsh runner, two ``torchrun``
+    launchers with a c10d rendezvous) on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch
+    disabled (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Needs ``sshd`` and ``pdsh``
+    (``apt-get install openssh-server pdsh``); the tests fail, naming them, without. Writes
+    ``reports/layouts/multinode-0.19.8.json``."""
+    deepspeed = "0.19.8"
+    os.makedirs(LAYOUTS, exist_ok=True)
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    measured = os.path.join(ROOT, "reports", "multinode", f"measured-{deepspeed}.json")
+    os.makedirs(os.path.dirname(measured), exist_ok=True)
+    if os.path.exists(measured):
+        os.remove(measured)
+    env = dict(CLEAN,
+               DS_MULTINODE_REPORT=measured,
+               TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    tests = _pytest(session, f"multinode-{deepspeed}", "tests/multinode", env=env)
+    done = session.run("python", "ci/check_red_green.py", "tests/multinode", env=env, success_codes=[0, 1])
+    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out.
+    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    more = {}
+    if os.path.exists(measured):
+        with open(measured) as f:
+            found = json.load(f)
+        more = {"versions": found["versions"], "runs": found["runs"], "launches": found["launches"]}
+    # The module also holds tests that pass unpatched (a rank that cannot import the package): the verdict is
+    # check_red_green.py's, exactly the marked tests failing.
+    _finish_layout(session, "multinode", deepspeed, tests, unpatched, dict(more, red_green="pass" if done else "FAIL"))

@@ -5,10 +5,20 @@
 It applies the patch (the package's import is lazy: DeepSpeed is not imported here), installs the host-sync
 audit when ``ds-offload-patch audit`` asked for it, and then runs the
 ``sitecustomize`` this one hides, if any, so a user's own start-up code keeps working.
+
+``ds-offload-patch audit`` also puts a folder holding :data:`FORWARDED_ENV` (its ``DS_OFFLOAD_PATCH_*`` settings)
+first on PYTHONPATH: launchers that pass only PYTHONPATH to other nodes (DeepSpeed's multi-node runner) then carry
+the audit and its switches to every rank that can read that folder. When the package cannot be imported here, one
+line on stderr names this rank and host and what to do.
 """
 
+import json
 import os
 import sys
+
+#: The file ``ds-offload-patch audit`` writes into a folder on PYTHONPATH: ``{name: value}`` of the variables to set
+#: (``launcher.FORWARDED_ENV_FILE``; importing that module here would apply the patch before they are set).
+FORWARDED_ENV = "ds-offload-patch-env.json"
 
 
 def _run_hidden_sitecustomize() -> None:
@@ -24,11 +34,36 @@ def _run_hidden_sitecustomize() -> None:
     spec.loader.exec_module(module)
 
 
+def _forwarded_environment() -> None:
+    """Set the ``DS_OFFLOAD_PATCH_*`` variables of the first :data:`FORWARDED_ENV` on PYTHONPATH (they override: the
+    audit's run decides its switches on every node). Anything unreadable is ignored."""
+    for folder in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        path = os.path.join(folder, FORWARDED_ENV) if folder else ""
+        if not path or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                variables = json.load(f)
+            # The prefix is spelled out: importing the package's settings would apply the patch before they are set.
+            os.environ.update({k: str(v) for k, v in variables.items() if k.startswith("DS_OFFLOAD_PATCH_")})
+        except (OSError, ValueError, AttributeError):
+            pass
+        return
+
+
 def _apply() -> None:
     try:
         import deepspeed_offload_patch  # noqa: F401
     except Exception as exc:  # never stop the user's program from starting (strict mode raises at DeepSpeed's import)
-        print(f"[deepspeed_offload_patch] bootstrap: the patch was not loaded: {exc!r}", file=sys.stderr)
+        import socket
+        who = f"rank {os.environ['RANK']}" if "RANK" in os.environ else f"process {os.getpid()}"
+        # One write: the ranks of a node share the launcher's stderr, and print() writes its end separately.
+        sys.stderr.write(
+            f"[deepspeed_offload_patch] bootstrap: {who} on {socket.gethostname()}: the patch was not "
+            f"loaded: {exc!r}. It runs unpatched. Install deepspeed-offload-patch in this node's Python "
+            f"({sys.executable}) at the path the launching node has, or import deepspeed_offload_patch in "
+            f"the training script\n")
+        sys.stderr.flush()
 
 
 def _audit() -> None:
@@ -43,6 +78,7 @@ def _audit() -> None:
         print(f"[deepspeed_offload_patch] bootstrap: the audit was not loaded: {exc!r}", file=sys.stderr)
 
 
+_forwarded_environment()
 _apply()
 _audit()
 _run_hidden_sitecustomize()

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.audit import rank as auditor
 from deepspeed_offload_patch.audit import report as audit_report
-from deepspeed_offload_patch.launcher import patched_environment
+from deepspeed_offload_patch.launcher import FORWARDED_ENV_FILE, deepspeed_env_problems, patched_environment
 
 PREFIX = "ds-offload-patch audit"
 
@@ -44,6 +44,16 @@ def _reports(folder: str) -> Tuple[List[Dict], bool]:
     return sorted(reports, key=lambda r: r["rank"]), False
 
 
+def _forward_through_pythonpath(env: Dict[str, str], folder: str) -> None:
+    """Put ``folder`` first on ``env``'s PYTHONPATH with the bootstrap's forwarded-environment file: every
+    ``DS_OFFLOAD_PATCH_*`` variable of ``env``. Launchers that give other nodes only PYTHONPATH (DeepSpeed's multi-node
+    runner) so carry the audit and this run's switches to each rank that can read ``folder`` (every node on one
+    machine or a shared file system); a rank that cannot still has the bootstrap behind it and is patched, unaudited."""
+    with open(os.path.join(folder, FORWARDED_ENV_FILE), "w") as f:
+        json.dump({k: v for k, v in env.items() if k.startswith(settings.NAME_PREFIX)}, f)
+    env["PYTHONPATH"] = os.pathsep.join([folder] + [p for p in env["PYTHONPATH"].split(os.pathsep) if p])
+
+
 def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switches: Dict[str, str],
               quiet: bool) -> Tuple[int, List[Dict], bool]:
     with tempfile.TemporaryDirectory(prefix="ds-offload-patch-audit-") as folder:
@@ -56,6 +66,7 @@ def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switch
             settings.AUDIT_TOP: str(max(10, top)),
             settings.AUDIT_PRINT: "0" if quiet else "1",
         })
+        _forward_through_pythonpath(env, folder)
         try:
             process = subprocess.Popen(command, env=env)
         except OSError as exc:
@@ -85,6 +96,8 @@ def audit(command: List[str],
     for the exit codes. ``budgets`` maps ``max_backward_syncs``/``max_step_syncs``/``max_total_syncs`` to a limit per rank, phase and
     optimizer step (None: no limit); with ``compare`` they apply to the patched run."""
     budgets = budgets or {}
+    for problem in deepspeed_env_problems(command):
+        print(f"{PREFIX}: warning: {problem}", file=sys.stderr, flush=True)
     plan = [("unpatched", {settings.DISABLE: "1"}), ("patched", {settings.DISABLE: "0"})] if compare else [("run", {})]
     runs: Dict[str, List[Dict]] = {}
     codes: Dict[str, int] = {}
@@ -99,11 +112,14 @@ def audit(command: List[str],
 
     for name, reports in runs.items():
         world = max((report["world_size"] for report in reports), default=0)
+        if reports and (len(audit_report.nodes(reports)) > 1 or len(reports) < world):
+            print((f"{name}:" if compare else "") + audit_report.node_table(reports), flush=True)
         if 0 < len(reports) < world:
+            whose = "the" if name == "run" else f"the {name} run's"
             print(
-                f"{PREFIX}: note: the {name} run's reports come from {len(reports)} of {world} ranks: on several "
-                f"nodes only the ranks of this node report, and only if {settings.NAME_PREFIX}* and PYTHONPATH reach "
-                f"them",
+                f"{PREFIX}: note: {whose} reports come from {len(reports)} of {world} ranks: a rank reports when "
+                f"PYTHONPATH reaches it and its node can write this command's folder (one machine, or TMPDIR on a "
+                f"file system every node shares); each node's own launcher (torchrun) needs its own audit command",
                 flush=True)
     gated = "patched" if compare else "run"
     violations = audit_report.check_budgets(runs[gated], budgets, top) if runs[gated] else []

@@ -15,7 +15,7 @@ wrapped (on the class, so engines that HF Trainer or Accelerate create are cover
 
 An optimizer step ends with the ``step()`` call that advances the engine's ``global_steps``. After ``steps`` of them, each rank writes
 its report (``rank-<R>.json`` in the audit folder), rank 0 gathers every rank's and prints the table (on one node; on
-several, the audit command prints the ranks of its own node), and the wrappers stop counting (or, with ``stop_after``, the process exits 0 at once: see :func:`_stop`). A process that ends before that writes what it counted.
+several, the audit command prints the ranks whose reports reach its folder, with each node's and the total), and the wrappers stop counting (or, with ``stop_after``, the process exits 0 at once: see :func:`_stop`). A process that ends before that writes what it counted.
 On CUDA, each call also runs under ``torch.profiler`` to count ``cuda*Synchronize`` calls, unless another profiler is
 already running (then those counts are ``null``). Counting only observes: the ops run as they would without it.
 """
@@ -24,6 +24,7 @@ import atexit
 import functools
 import json
 import os
+import socket
 import sys
 import threading
 from collections import Counter
@@ -51,6 +52,16 @@ def _short(where: str) -> str:
         if where.startswith(root):
             return where[len(root):]
     return where
+
+
+def _node() -> Optional[int]:
+    """This rank's node as its launcher numbers them: ``CROSS_RANK`` (the ``deepspeed`` launcher), ``GROUP_RANK``
+    (``torchrun``), ``NODE_RANK``; None when none is set or a number."""
+    for name in ("CROSS_RANK", "GROUP_RANK", "NODE_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
 
 
 class PhaseCounts:
@@ -100,6 +111,8 @@ class PhaseCounts:
         return {
             "rank": rank,
             "world_size": world_size,
+            "node": _node(),
+            "host": socket.gethostname(),
             "pid": os.getpid(),
             "deepspeed_version": getattr(deepspeed, "__version__", None),
             "patch_state": patch.status().state if patch is not None else "not-loaded",

@@ -73,6 +73,42 @@ def _columns(with_run: bool) -> str:
     return f"{'run':<10} {'rank':>4}  {titles}" if with_run else f"{'rank':>4}  {titles}"
 
 
+def _ranks_text(ranks: List[int]) -> str:
+    """``0-3`` for consecutive ranks, else ``0,2``."""
+    ranks = sorted(ranks)
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def nodes(reports: List[Dict]) -> Dict[Optional[int], List[Dict]]:
+    """The reports by the node their launcher gave them (``node``; None where it gave none)."""
+    found: Dict[Optional[int], List[Dict]] = {}
+    for report in sorted(reports, key=lambda r: r["rank"]):
+        found.setdefault(report.get("node"), []).append(report)
+    return found
+
+
+def node_table(reports: List[Dict]) -> str:
+    """Host syncs per optimizer step summed over each node's ranks and over every rank that reported, one row each
+    (a column per phase, one number per step), headed by how many of the world's ranks reported. Steps that not every
+    rank of a row counted are left out of its sums."""
+    world = max(r["world_size"] for r in reports)
+    by_node = nodes(reports)
+    lines = [
+        "", f"[ds-offload-patch audit] host syncs per optimizer step, summed per node and over all: {len(reports)} of "
+        f"{world} ranks reported, from {len(by_node)} node{'s' if len(by_node) != 1 else ''}",
+        f"{'node':<6} {'ranks':<7} " + "".join(f"{PHASE_TITLES[phase]:<20} " for phase in COLUMNS).rstrip()
+    ]
+    groups = [(str(node), group) for node, group in by_node.items()] + [("all", reports)]
+    for name, group in groups:
+        steps = min(len(r["steps"]) for r in group)
+        cells = "".join(f"{_fmt([sum(_count(r['steps'][i], phase) for r in group) for i in range(steps)]):<20} "
+                        for phase in COLUMNS)
+        lines.append(f"{name:<6} {_ranks_text([r['rank'] for r in group]):<7} {cells.rstrip()}")
+    return "\n".join(lines)
+
+
 def top_lines(reports: List[Dict], phase: str, limit: int = 3) -> List[str]:
     """The source lines with the most host syncs in ``phase`` (every phase for the whole step), summed over ranks:
     ``count  file:line (code)  op``."""
