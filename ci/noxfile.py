@@ -9,7 +9,7 @@
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
     nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d (0.19.8)
     nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
-    nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:lite,no-diff 0.19.6:smoke,no-diff,stacks   # ... and on the newest
+    nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:smoke,no-diff 0.19.6:smoke,no-diff,stacks-launcher   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
     nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
     nox -f ci/noxfile.py -s sources               # fingerprints and patches/ against the releases' sdists
