@@ -8,6 +8,7 @@
     nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
     nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d (0.19.8)
+    nox -f ci/noxfile.py -s pipeline              # PipelineEngine, 2 stages x 2 data-parallel ranks, ZeRO-1 (0.19.8)
     nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
     nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:smoke,no-diff 0.19.6:smoke,no-diff,stacks-launcher   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
@@ -112,7 +113,8 @@ def _install_torch(session: nox.Session, *specs: str) -> None:
 
 def _install(session: nox.Session, version: str) -> None:
     _install_torch(session, *OLDER_TORCH.get(version, ("torch==2.13.0", )))
-    session.install(f"deepspeed=={version}", "pytest", "packaging")
+    # sybil: the checkout's conftest.py imports it (the documents run as tests), so pytest needs it for any path.
+    session.install(f"deepspeed=={version}", "pytest", "packaging", "sybil")
     session.install("--no-deps", "--force-reinstall", ROOT)
 
 
@@ -726,3 +728,33 @@ def multinode(session: nox.Session) -> None:
     # The module also holds tests that pass unpatched (a rank that cannot import the package): the verdict is
     # check_red_green.py's, exactly the marked tests failing.
     _finish_layout(session, "multinode", deepspeed, tests, unpatched, dict(more, red_green="pass" if done else "FAIL"))
+
+
+@nox.session
+def pipeline(session: nox.Session) -> None:
+    """Pipeline parallelism (``tests/pipeline``): DeepSpeed's ``PipelineEngine`` over 2 stages x 2 data-parallel ranks,
+    ZeRO-1 with offload, ``train_batch()``, bf16 and fp16 with a fault, and ``audit`` counting each ``train_batch()``,
+    on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch disabled
+    (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Writes
+    ``reports/layouts/pipeline-0.19.8.json`` with the host syncs per instruction (unpatched, patched)."""
+    deepspeed = "0.19.8"
+    os.makedirs(LAYOUTS, exist_ok=True)
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    measured = os.path.join(ROOT, "reports", "pipeline", f"{deepspeed}.json")  # written by tests/pipeline
+    if os.path.exists(measured):
+        os.remove(measured)
+    # The deepspeed launcher of the audit tests JIT-builds DeepSpeed's shared-memory op: a folder of the session's.
+    env = dict(CLEAN, TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    tests = _pytest(session, f"pipeline-{deepspeed}", "tests/pipeline", env=env)
+    done = session.run("python", "ci/check_red_green.py", "tests/pipeline", env=env, success_codes=[0, 1])
+    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out
+    # (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
+    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    more = {}
+    if os.path.exists(measured):
+        with open(measured) as f:
+            more["runs"] = json.load(f)["runs"]
+    if not done:
+        more["red_green"] = "FAIL"
+    _finish_layout(session, "pipeline", deepspeed, tests, unpatched, more)

@@ -130,7 +130,7 @@ def audit(command: List[str],
             failures.append(f"{which} exited with code {codes[name]}")
         elif not any(report["steps"] for report in runs[name]):
             failures.append(f"{which} counted no DeepSpeed optimizer step (no engine.step() that advanced "
-                            f"global_steps in any rank): nothing was audited")
+                            f"global_steps, nor a pipeline engine's train_batch(), in any rank): nothing was audited")
     failures.extend(str(v) for v in violations)
     if json_path:
         _write_json(json_path, command, steps, budgets, runs, codes, failures)

@@ -13,7 +13,28 @@ wrapped (on the class, so engines that HF Trainer or Accelerate create are cover
 * ``other_backward``: the other micro-batches' ``backward()``;
 * ``step``: every ``step()`` call (the one at the boundary updates the parameters).
 
-An optimizer step ends with the ``step()`` call that advances the engine's ``global_steps``. After ``steps`` of them, each rank writes
+An optimizer step ends with the ``step()`` call that advances the engine's ``global_steps``.
+
+Under the pipeline engine (``deepspeed.runtime.pipe.engine.PipelineEngine``, whose ``forward``, ``backward`` and
+``step`` refuse to run) each ``train_batch()`` call is one optimizer step. It runs under one
+``count_host_syncs()``, and the instructions it executes (the functions of ``PipelineEngine._INSTRUCTION_MAP``, which
+``_exec_schedule`` calls; wrapped in that map, so the schedule and its results are unchanged) mark which of its host
+syncs belong to which phase (:data:`~deepspeed_offload_patch.audit.report.PIPELINE_PHASES`):
+
+* ``forward``: ``ForwardPass``;
+* ``backward``: every ``BackwardPass`` (the micro-batches' backward; the pipeline turns the engine's all-reduce there
+  off);
+* ``reduce_grads``: ``ReduceTiedGrads`` and ``ReduceGrads``, the boundary's gradient reduction (ZeRO-1 reduces the
+  gradients there and, with offload, checks them for inf/NaN: where the pipeline makes the syncs the patch removes);
+* ``pipe_comm``: ``LoadMicroBatch`` and the sends and receives between stages;
+* ``optimizer_step``: ``OptimizerStep``;
+* ``other``: the rest of ``train_batch()`` (the loss's aggregation over the stages), and instructions of other types.
+
+The engine's own wrappers do not count a pipeline engine's calls (``eval_batch()`` is not counted). The first kind of
+engine to count in a process fixes its phases; the other kind is then not counted there. Under the pipeline there
+are no ``cuda`` counts (``null``): one profiler per instruction was left out.
+
+After ``steps`` optimizer steps, each rank writes
 its report (``rank-<R>.json`` in the audit folder), rank 0 gathers every rank's and prints the table (on one node; on
 several, the audit command prints the ranks whose reports reach its folder, with each node's and the total), and the wrappers stop counting (or, with ``stop_after``, the process exits 0 at once: see :func:`_stop`). A process that ends before that writes what it counted.
 On CUDA, each call also runs under ``torch.profiler`` to count ``cuda*Synchronize`` calls, unless another profiler is
@@ -31,10 +52,25 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
 
 from deepspeed_offload_patch import import_hook, settings
-from deepspeed_offload_patch.audit.report import PHASES, table
+from deepspeed_offload_patch.audit.report import PHASES, PIPELINE_PHASES, table
 from deepspeed_offload_patch.log import rank_and_world
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
+PIPE_MODULE = "deepspeed.runtime.pipe.engine"
+#: The phase of each of the pipeline's instructions, by the name of its class in ``deepspeed.runtime.pipe.schedule``;
+#: an instruction of another type counts in ``other``.
+INSTRUCTION_PHASES = {
+    "ForwardPass": "forward",
+    "BackwardPass": "backward",
+    "ReduceTiedGrads": "reduce_grads",
+    "ReduceGrads": "reduce_grads",
+    "LoadMicroBatch": "pipe_comm",
+    "SendActivation": "pipe_comm",
+    "RecvActivation": "pipe_comm",
+    "SendGrad": "pipe_comm",
+    "RecvGrad": "pipe_comm",
+    "OptimizerStep": "optimizer_step",
+}
 CUDA_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 REPORT = "report.json"
 
@@ -65,14 +101,17 @@ def _node() -> Optional[int]:
 
 
 class PhaseCounts:
-    """One process's counts: a dict of phase counts per optimizer step, and the source lines behind them."""
+    """One process's counts: a dict of phase counts per optimizer step, and the source lines behind them. The
+    phases are the engine's (:data:`PHASES`) until :meth:`claim` gives them to the pipeline engine."""
 
     def __init__(self, steps: int, top: int):
         self.steps_wanted = steps
         self.top = top
+        self.engine: Optional[str] = None
+        self.phases = PHASES
         self.steps: List[Dict[str, int]] = []
         self.cuda_steps: List[Optional[Dict[str, int]]] = []
-        self.lines: Dict[str, Counter] = {phase: Counter() for phase in PHASES}
+        self.lines: Dict[str, Counter] = {phase: Counter() for phase in self.phases}
         self.current = self._empty()
         self.current_cuda: Optional[Dict[str, int]] = None
         self.cuda_available = True
@@ -80,9 +119,19 @@ class PhaseCounts:
         self.done = False
         self.local = threading.local()
 
-    @staticmethod
-    def _empty() -> Dict[str, int]:
-        return {phase: 0 for phase in PHASES}
+    def _empty(self) -> Dict[str, int]:
+        return {phase: 0 for phase in self.phases}
+
+    def claim(self, engine: str) -> bool:
+        """Whether calls of this kind of engine (``"engine"`` or ``"pipeline"``) count here: the first kind to ask
+        fixes the phases (the pipeline's are :data:`PIPELINE_PHASES`); the other kind then does not count."""
+        if self.engine is None:
+            self.engine = engine
+            if engine == "pipeline":
+                self.phases = PIPELINE_PHASES
+                self.lines = {phase: Counter() for phase in self.phases}
+                self.current = self._empty()
+        return self.engine == engine
 
     def add(self, phase: str, events, cuda: Optional[Dict[str, int]]) -> None:
         self.calls += 1
@@ -119,6 +168,8 @@ class PhaseCounts:
             "device": str(getattr(engine, "device", "")) or None,
             "steps_wanted": self.steps_wanted,
             "complete": self.done,
+            "engine": self.engine or "engine",
+            "phases": list(self.phases),
             "steps": self.steps,
             "cuda_syncs": self.cuda_steps if cuda else None,
             "top": {
@@ -127,7 +178,7 @@ class PhaseCounts:
                     "op": op,
                     "count": count
                 } for (line, op), count in self.lines[phase].most_common(self.top)]
-                for phase in PHASES
+                for phase in self.phases
             },
         }
 
@@ -160,7 +211,8 @@ def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         state = _state
-        if state is None or state.done or getattr(state.local, "active", False):
+        if (state is None or state.done or getattr(state.local, "active", False) or _is_pipeline(self)
+                or not state.claim("engine")):
             return method(self, *args, **kwargs)
         phase = phase_of(self)
         steps_before = getattr(self, "global_steps", None)
@@ -185,16 +237,92 @@ def _counted(phase_of: Callable[..., str], method: Callable) -> Callable:
         state.add(phase, syncs.events, dict(cuda) if cuda is not None else None)
         # An optimizer step ends when step() advances global_steps (skipped steps too, in every release).
         if phase == "step" and getattr(self, "global_steps", None) != steps_before:
-            state.end_step()
-            if state.done:
-                try:
-                    _finish(self)
-                except Exception as exc:  # the audit must not end a training run (only --stop-after does)
-                    from deepspeed_offload_patch.log import warn_once
-                    warn_once(f"ds-offload-patch audit: this rank's report was not completed: {exc!r}")
+            _end_step(state, self)
         return result
 
     wrapper.__ds_offload_patch_audit__ = method
+    return wrapper
+
+
+#: The pipeline engine classes :func:`instrument_pipeline` wrapped.
+_pipeline_classes: List[type] = []
+
+
+def _is_pipeline(engine) -> bool:
+    """Whether ``engine`` is a ``PipelineEngine`` (counted per ``train_batch()``, not per engine call)."""
+    return any(isinstance(engine, cls) for cls in _pipeline_classes)
+
+
+def _end_step(state: PhaseCounts, engine) -> None:
+    state.end_step()
+    if state.done:
+        try:
+            _finish(engine)
+        except Exception as exc:  # the audit must not end a training run (only --stop-after does)
+            from deepspeed_offload_patch.log import warn_once
+            warn_once(f"ds-offload-patch audit: this rank's report was not completed: {exc!r}")
+
+
+def _counted_batch(method: Callable) -> Callable:
+    """``PipelineEngine.train_batch`` wrapped: each call is one optimizer step, counted under one
+    ``count_host_syncs()``; its host syncs go to the phases the instructions marked (:func:`_counted_instruction`),
+    the rest to ``other``. A call that raises keeps its counts in the unfinished step (a process that ends there
+    reports them) and ends no step."""
+    from deepspeed_offload_patch.hostsync import count_host_syncs
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        state = _state
+        if state is None or state.done or getattr(state.local, "active", False) or not state.claim("pipeline"):
+            return method(self, *args, **kwargs)
+        state.local.active = True
+        marks: List[tuple] = []
+        state.local.marks = marks
+        finished = False
+        syncs = None
+        try:
+            with count_host_syncs() as syncs:
+                state.local.batch = syncs
+                result = method(self, *args, **kwargs)
+            finished = True
+        finally:
+            state.local.active = False
+            state.local.batch = None
+            state.local.marks = None
+            events = syncs.events if syncs is not None else []
+            phases = ["other"] * len(events)
+            for phase, start, end in marks:
+                phases[start:end] = [phase] * (end - start)
+            for phase in state.phases:
+                state.add(phase, [event for event, mine in zip(events, phases) if mine == phase], None)
+        if finished:
+            _end_step(state, self)
+        return result
+
+    wrapper.__ds_offload_patch_audit__ = method
+    return wrapper
+
+
+def _counted_instruction(phase: str, function: Callable) -> Callable:
+    """One of ``PipelineEngine._INSTRUCTION_MAP``'s functions wrapped: inside a counted ``train_batch()``, the host
+    syncs it makes (the events its call adds to the batch's counter) belong to ``phase``. It counts nothing itself:
+    outside a counted ``train_batch()`` (``eval_batch()``, the steps after the counted ones) it only calls through."""
+
+    @functools.wraps(function)
+    def wrapper(self, *args, **kwargs):
+        state = _state
+        syncs = getattr(state.local, "batch", None) if state is not None else None
+        if syncs is None or getattr(state.local, "instruction", False):
+            return function(self, *args, **kwargs)
+        start = len(syncs.events)
+        state.local.instruction = True
+        try:
+            return function(self, *args, **kwargs)
+        finally:
+            state.local.instruction = False
+            state.local.marks.append((phase, start, len(syncs.events)))
+
+    wrapper.__ds_offload_patch_audit__ = function
     return wrapper
 
 
@@ -304,10 +432,30 @@ def instrument(module) -> None:
         setattr(engine_class, name, _counted(phase_of, original))
 
 
+def instrument_pipeline(module) -> None:
+    """Wrap ``PipelineEngine.train_batch`` and the functions of its ``_INSTRUCTION_MAP`` in ``module``
+    (``deepspeed.runtime.pipe.engine``) once. The map is changed in place: ``_exec_schedule`` looks each instruction
+    up there, and subclasses that inherit it see the wrapped functions too."""
+    engine_class = module.PipelineEngine
+    if engine_class not in _pipeline_classes:
+        _pipeline_classes.append(engine_class)
+    original = engine_class.__dict__.get("train_batch")
+    if original is not None and not hasattr(original, "__ds_offload_patch_audit__"):
+        engine_class.train_batch = _counted_batch(original)
+    table = engine_class.__dict__.get("_INSTRUCTION_MAP")
+    if not isinstance(table, dict):
+        return
+    for kind, function in list(table.items()):
+        if callable(function) and not hasattr(function, "__ds_offload_patch_audit__"):
+            table[kind] = _counted_instruction(INSTRUCTION_PHASES.get(getattr(kind, "__name__", ""), "other"),
+                                               function)
+
+
 def install(steps: int = 3, top: int = 10) -> None:
     """Count the first ``steps`` optimizer steps of the DeepSpeed engines in this process (see the module doc).
 
-    DeepSpeed is not imported here: the engine class is wrapped when ``deepspeed.runtime.engine`` is imported.
+    DeepSpeed is not imported here: the engine class is wrapped when ``deepspeed.runtime.engine`` is imported, the
+    pipeline engine's when ``deepspeed.runtime.pipe.engine`` is.
     """
     global _state
     if _state is not None:
@@ -315,6 +463,7 @@ def install(steps: int = 3, top: int = 10) -> None:
     _state = PhaseCounts(steps, top)
     atexit.register(_at_exit)
     import_hook.when_imported(ENGINE_MODULE, instrument)
+    import_hook.when_imported(PIPE_MODULE, instrument_pipeline)
 
 
 def install_from_environment() -> bool:

@@ -12,6 +12,9 @@ from typing import Dict, List, Optional, Sequence
 
 #: The phases of an optimizer step that each rank counts, in the order the tables show them.
 PHASES = ("forward", "boundary_backward", "other_backward", "step")
+#: Under the pipeline engine, the phases of one ``train_batch()``: its instructions by kind, and the rest
+#: (:mod:`~deepspeed_offload_patch.audit.rank` says which instruction goes where). A report names its phases.
+PIPELINE_PHASES = ("forward", "backward", "reduce_grads", "pipe_comm", "optimizer_step", "other")
 #: Not a phase: all of them, the whole optimizer step (every micro-step's forward and backward, then step()).
 WHOLE_STEP = "whole_step"
 PHASE_TITLES = {
@@ -19,6 +22,11 @@ PHASE_TITLES = {
     "boundary_backward": "boundary backward",
     "other_backward": "other backward",
     "step": "step()",
+    "backward": "backward",
+    "reduce_grads": "ReduceGrads",
+    "pipe_comm": "load, send, recv",
+    "optimizer_step": "OptimizerStep",
+    "other": "rest of train_batch",
     WHOLE_STEP: "whole step",
 }
 #: The columns of the tables: each phase, then the whole step.
@@ -30,6 +38,23 @@ BUDGET_PHASES = {
     "max_step_syncs": ("step", ),
     "max_total_syncs": (WHOLE_STEP, ),
 }
+#: The same under the pipeline engine: the backward budget covers the backward passes and ``ReduceGrads``, where the
+#: pipeline reduces the gradients and ZeRO checks them (what the boundary backward does without a pipeline).
+PIPELINE_BUDGET_PHASES = {
+    "max_backward_syncs": ("backward", "reduce_grads"),
+    "max_step_syncs": ("optimizer_step", ),
+    "max_total_syncs": (WHOLE_STEP, ),
+}
+
+
+def phases_of(reports: List[Dict]) -> tuple:
+    """The phases the reports count: a report names them (``phases``); one from before that field has
+    :data:`PHASES`. Reports of different engines (not from one run) show the first one's."""
+    return tuple(reports[0].get("phases") or PHASES) if reports else PHASES
+
+
+def _columns_of(reports: List[Dict]) -> tuple:
+    return phases_of(reports) + (WHOLE_STEP, )
 
 
 def _fmt(values: Sequence[Optional[int]]) -> str:
@@ -39,7 +64,7 @@ def _fmt(values: Sequence[Optional[int]]) -> str:
 def _count(counts: Optional[Dict[str, int]], phase: str) -> Optional[int]:
     if counts is None:
         return None
-    return sum(counts[p] for p in PHASES) if phase == WHOLE_STEP else counts[phase]
+    return sum(counts.values()) if phase == WHOLE_STEP else counts.get(phase, 0)
 
 
 def _column(report: Dict, phase: str) -> List[int]:
@@ -56,20 +81,20 @@ def _header(reports: List[Dict]) -> str:
         f"patch {first['patch_state']}")
 
 
-def _rows(reports: List[Dict], run: Optional[str] = None) -> List[str]:
+def _rows(reports: List[Dict], run: Optional[str] = None, columns: Sequence[str] = COLUMNS) -> List[str]:
     rows = []
     for report in sorted(reports, key=lambda r: r["rank"]):
-        cells = "".join(f"{_fmt(_column(report, phase)):<20} " for phase in COLUMNS)
+        cells = "".join(f"{_fmt(_column(report, phase)):<20} " for phase in columns)
         prefix = f"{run:<10} " if run is not None else ""
         rows.append(f"{prefix}{report['rank']:>4}  {cells.rstrip()}")
         if report.get("cuda_syncs"):
-            cuda = "".join(f"{_fmt([_count(s, phase) for s in report['cuda_syncs']]):<20} " for phase in COLUMNS)
+            cuda = "".join(f"{_fmt([_count(s, phase) for s in report['cuda_syncs']]):<20} " for phase in columns)
             rows.append(f"{' ' * len(prefix)}{'cuda':>4}  {cuda.rstrip()}")
     return rows
 
 
-def _columns(with_run: bool) -> str:
-    titles = "".join(f"{PHASE_TITLES[phase]:<20} " for phase in COLUMNS).rstrip()
+def _columns(with_run: bool, columns: Sequence[str] = COLUMNS) -> str:
+    titles = "".join(f"{PHASE_TITLES[phase]:<20} " for phase in columns).rstrip()
     return f"{'run':<10} {'rank':>4}  {titles}" if with_run else f"{'rank':>4}  {titles}"
 
 
@@ -95,16 +120,17 @@ def node_table(reports: List[Dict]) -> str:
     rank of a row counted are left out of its sums."""
     world = max(r["world_size"] for r in reports)
     by_node = nodes(reports)
+    columns = _columns_of(reports)
     lines = [
         "", f"[ds-offload-patch audit] host syncs per optimizer step, summed per node and over all: {len(reports)} of "
         f"{world} ranks reported, from {len(by_node)} node{'s' if len(by_node) != 1 else ''}",
-        f"{'node':<6} {'ranks':<7} " + "".join(f"{PHASE_TITLES[phase]:<20} " for phase in COLUMNS).rstrip()
+        f"{'node':<6} {'ranks':<7} " + "".join(f"{PHASE_TITLES[phase]:<20} " for phase in columns).rstrip()
     ]
     groups = [(str(node), group) for node, group in by_node.items()] + [("all", reports)]
     for name, group in groups:
         steps = min(len(r["steps"]) for r in group)
         cells = "".join(f"{_fmt([sum(_count(r['steps'][i], phase) for r in group) for i in range(steps)]):<20} "
-                        for phase in COLUMNS)
+                        for phase in columns)
         lines.append(f"{name:<6} {_ranks_text([r['rank'] for r in group]):<7} {cells.rstrip()}")
     return "\n".join(lines)
 
@@ -114,8 +140,8 @@ def top_lines(reports: List[Dict], phase: str, limit: int = 3) -> List[str]:
     ``count  file:line (code)  op``."""
     totals: Counter = Counter()
     for report in reports:
-        for part in (PHASES if phase == WHOLE_STEP else (phase, )):
-            for entry in report["top"][part]:
+        for part in (phases_of([report]) if phase == WHOLE_STEP else (phase, )):
+            for entry in report["top"].get(part, ()):
                 totals[(entry["line"], entry["op"])] += entry["count"]
     return [f"{count:>5}  {line}  {op}" for (line, op), count in totals.most_common(limit)]
 
@@ -125,10 +151,10 @@ def table(reports: List[Dict], top: int = 3) -> str:
     source lines with the most host syncs. ``cuda`` rows (CUDA only) count ``cuda*Synchronize`` calls."""
     lines = [
         "", f"[ds-offload-patch audit] host syncs per optimizer step (one number per step), {_header(reports)}",
-        _columns(False)
-    ] + _rows(reports)
+        _columns(False, _columns_of(reports))
+    ] + _rows(reports, columns=_columns_of(reports))
     lines.append("top lines per phase (host syncs summed over ranks and counted steps):")
-    for phase in PHASES:
+    for phase in phases_of(reports):
         found = top_lines(reports, phase, top)
         lines.append(f"  {PHASE_TITLES[phase]}:" + ("" if found else " none"))
         lines.extend(f"    {line}" for line in found)
@@ -141,16 +167,22 @@ def compare_table(runs: Dict[str, List[Dict]], top: int = 3) -> str:
     lines = ["", "[ds-offload-patch audit --compare] host syncs per optimizer step (one number per step)"]
     for name, reports in runs.items():
         lines.append(f"  {name}: {_header(reports)}")
-    lines.append(_columns(True))
+    columns = _columns_of(next((r for r in runs.values() if r), []))
+    lines.append(_columns(True, columns))
     for name, reports in runs.items():
-        lines.extend(_rows(reports, run=name))
+        lines.extend(_rows(reports, run=name, columns=columns))
     for name, reports in runs.items():
-        for phase in PHASES:
+        for phase in phases_of(reports):
             found = top_lines(reports, phase, top)
             if found:
                 lines.append(f"top lines, {name}, {PHASE_TITLES[phase]}:")
                 lines.extend(f"    {line}" for line in found)
     return "\n".join(lines)
+
+
+def _budget_phases(report: Dict, option: str) -> tuple:
+    table = PIPELINE_BUDGET_PHASES if report.get("engine") == "pipeline" else BUDGET_PHASES
+    return table[option]
 
 
 @dataclass
@@ -172,13 +204,17 @@ class Violation:
 
 def check_budgets(reports: List[Dict], budgets: Dict[str, Optional[int]], top: int = 3) -> List[Violation]:
     """The worst step of each rank and phase whose count is over its budget (``budgets`` maps the keys of
-    :data:`BUDGET_PHASES` to a limit, or None for no limit). Each violation names the rank's top lines there."""
+    :data:`BUDGET_PHASES` to a limit, or None for no limit; a pipeline engine's report is held to
+    :data:`PIPELINE_BUDGET_PHASES`). Each violation names the rank's top lines there."""
     violations = []
     for option, limit in budgets.items():
         if limit is None:
             continue
-        for phase in BUDGET_PHASES[option]:
+        phases = dict.fromkeys(BUDGET_PHASES[option] + PIPELINE_BUDGET_PHASES[option])
+        for phase in phases:
             for report in sorted(reports, key=lambda r: r["rank"]):
+                if phase not in _budget_phases(report, option):
+                    continue
                 counts = _column(report, phase)
                 if not counts or max(counts) <= limit:
                     continue

@@ -310,3 +310,101 @@ def test_no_second_profiler_while_the_runs_own_is_on():
     assert not auditor._profiler_running()
     with profile(activities=[ProfilerActivity.CPU]):
         assert auditor._profiler_running()
+
+
+def fake_pipeline_module(engine_class):
+    """A stand-in for ``deepspeed.runtime.pipe.engine``: a ``PipelineEngine`` subclass of the stand-in engine whose
+    ``train_batch()`` runs a schedule through ``_INSTRUCTION_MAP`` as DeepSpeed's does (a forward and a backward per
+    micro-batch, then ReduceGrads and OptimizerStep), with known host reads: 2 in each backward pass (one of them
+    through the engine's own, counted, ``backward``), 3 in ReduceGrads, 1 in OptimizerStep, 1 outside the
+    instructions; ``eval_batch()`` runs forward passes only."""
+    import types
+
+    import torch
+
+    kinds = {name: type(name, (), {}) for name in ("ForwardPass", "BackwardPass", "ReduceGrads", "OptimizerStep")}
+
+    class PipelineEngine(engine_class):
+
+        def _exec_forward_pass(self):
+            super().forward(torch.ones(()))
+
+        def _exec_backward_pass(self):
+            bool(torch.ones(()) > 0)
+            engine_class.backward(self, torch.zeros(()))  # the stand-in reads the host once off the boundary
+
+        def _exec_reduce_grads(self):
+            for _ in range(3):
+                bool(torch.ones(()) > 0)
+
+        def _exec_optimizer_step(self):
+            float(torch.ones(()).sum())
+            self.global_steps += 1
+
+        _INSTRUCTION_MAP = {
+            kinds["ForwardPass"]: _exec_forward_pass,
+            kinds["BackwardPass"]: _exec_backward_pass,
+            kinds["ReduceGrads"]: _exec_reduce_grads,
+            kinds["OptimizerStep"]: _exec_optimizer_step,
+        }
+
+        def _run(self, names):
+            for name in names:
+                types.MethodType(self._INSTRUCTION_MAP[kinds[name]], self)()
+
+        def train_batch(self):
+            self._run(["ForwardPass", "BackwardPass"] * 2 + ["ReduceGrads", "OptimizerStep"])
+            return float(torch.ones(()).sum())  # the loss, read outside any instruction
+
+        def eval_batch(self):
+            self._run(["ForwardPass"] * 2)
+
+        def forward(self, *args):
+            raise RuntimeError("Only train_batch() is accessible in pipeline mode.")
+
+    return types.SimpleNamespace(PipelineEngine=PipelineEngine)
+
+
+def test_under_the_pipeline_engine_each_train_batch_is_one_optimizer_step(audit_state, tmp_path, capsys):
+    """Each ``train_batch()`` counts as one optimizer step, its host syncs split by the instructions that made them;
+    the engine's own wrappers do not count a pipeline engine (the nested ``backward``, ``eval_batch()``), and the
+    results are the schedule's own."""
+    auditor, engine_class = audit_state
+    module = fake_pipeline_module(engine_class)
+    auditor.instrument_pipeline(module)
+    auditor.instrument_pipeline(module)  # idempotent: wrapped once
+    engine = module.PipelineEngine()
+    engine.eval_batch()
+    assert auditor._state.calls == 0 and auditor._state.engine is None
+    assert [engine.train_batch() for _ in range(3)] == [1.0] * 3 and engine.global_steps == 3
+    expected = {"forward": 0, "backward": 4, "reduce_grads": 3, "pipe_comm": 0, "optimizer_step": 1, "other": 1}
+    assert auditor._state.steps == [expected, expected] and auditor._state.done
+    rank0 = json.loads((tmp_path / "rank-0.json").read_text())
+    assert rank0["engine"] == "pipeline" and rank0["phases"] == list(audit_report.PIPELINE_PHASES)
+    assert rank0["cuda_syncs"] is None and rank0["top"]["reduce_grads"][0]["count"] == 6, rank0["top"]
+    printed = capsys.readouterr().out
+    assert re.search(
+        r"^ *rank +forward +backward +ReduceGrads +load, send, recv +OptimizerStep +rest of train_batch "
+        r"+whole step$", printed, re.M), printed
+    assert re.search(r"^ +0 +0 +0 +4 +4 +3 +3 +0 +0 +1 +1 +1 +1 +9 +9$", printed, re.M), printed
+    # The backward budget covers ReduceGrads under the pipeline, and names it.
+    violations = audit_report.check_budgets([rank0], {"max_backward_syncs": 3, "max_step_syncs": 0})
+    assert [(v.phase, v.count) for v in violations] == [("backward", 4), ("optimizer_step", 1)], violations
+    reduce_grads = audit_report.check_budgets([rank0], {"max_backward_syncs": 0})[1]
+    assert str(reduce_grads).startswith("ReduceGrads: rank 0 made 3 host syncs in optimizer step 1 (budget 0)")
+
+
+def test_a_train_batch_that_raises_ends_no_step_and_keeps_its_counts(audit_state):
+    auditor, engine_class = audit_state
+    module = fake_pipeline_module(engine_class)
+
+    def failing(self):
+        self._run(["ForwardPass", "BackwardPass", "ReduceGrads"])
+        raise ValueError("StopIteration in the user's data")
+
+    module.PipelineEngine.train_batch = failing
+    auditor.instrument_pipeline(module)
+    with pytest.raises(ValueError):
+        module.PipelineEngine().train_batch()
+    assert auditor._state.steps == [] and auditor._state.current["reduce_grads"] == 3
+    assert auditor._state.current["backward"] == 2 and not getattr(auditor._state.local, "active", False)
