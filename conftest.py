@@ -16,6 +16,9 @@ text, several lines included), after this normalisation and nothing else:
 A command whose transcript shows no output must exit 0; one whose output is shown must exit 0 unless the transcript
 prints its exit code itself (``; echo "exit $?"``). stderr is not compared; a failure shows it.
 
+A ``text`` block that starts with ``$`` is a transcript too slow for this run (4 ranks or more); the text beside it
+names the test module that runs it (docs/audit.md's pipeline audit: ``tests/pipeline``).
+
 A ``python`` block runs in a fresh interpreter after the file's ``invisible-code-block: python`` comments (Sybil's
 form for setup a reader need not see), so a failing example or an exception fails its test.
 """

@@ -214,3 +214,20 @@ def test_audit_finds_the_unpatched_syncs_in_reduce_grads(tmp_path):
         assert "stage_1_and_2.py:" in top["line"] and top["count"] == 2 * AUDIT_STEPS, top
     fails = [line for line in result.stdout.splitlines() if "audit: FAIL: ReduceGrads: rank" in line]
     assert len(fails) == WORLD and all("stage_1_and_2.py:" in line for line in fails), result.stdout[-3000:]
+
+
+@pytest.mark.equivalence
+def test_docs_audit_md_s_pipeline_transcript_is_what_the_command_prints():
+    """docs/audit.md's pipeline transcript (too slow for the default suite's document run: 4 ranks, twice) runs here:
+    its command, in the checkout, must print the table rows and the OK line the document shows."""
+    with open(os.path.join(ROOT, "docs", "audit.md")) as f:
+        block = f.read().split("```text\n$ ", 1)[1].split("```", 1)[0]
+    command_lines, shown = [], block.splitlines()
+    while command_lines == [] or command_lines[-1].endswith("\\"):
+        command_lines.append(shown.pop(0))
+    command = " ".join(line.rstrip("\\").strip() for line in command_lines)
+    env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    output = assert_ok(run_command(["bash", "-c", command], env=env, cwd=ROOT))
+    rows = [line.rstrip() for line in shown if re.match(r"^(unpatched|patched) +\d", line) or " audit: OK" in line]
+    printed = [line.rstrip() for line in output.splitlines()]
+    assert len(rows) == 2 * WORLD + 1 and all(row in printed for row in rows), (rows, output[-4000:])
