@@ -7,8 +7,9 @@
     nox -f ci/noxfile.py -s "release(deepspeed='0.18.4')" [-- core|lite] [stacks]
     nox -f ci/noxfile.py -s "scale(deepspeed='0.16.9')"   # 4 ranks: an mpu, MoE; fp32 accumulation (a representative)
     nox -f ci/noxfile.py -s "stacks(deepspeed='0.19.8')"  # HF Trainer, Accelerate, Lightning (a representative)
-    nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d (0.19.8)
+    nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d, 8 ranks
     nox -f ci/noxfile.py -s pipeline              # PipelineEngine, 2 stages x 2 data-parallel ranks, ZeRO-1 (0.19.8)
+    nox -f ci/noxfile.py -s sequence              # Ulysses sequence parallelism on 2 ranks, ZeRO-2 (0.19.8)
     nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
     nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:smoke,no-diff 0.19.6:smoke,no-diff,stacks-launcher   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
@@ -701,20 +702,24 @@ def _stack_sides(modes: dict, routes: tuple) -> dict:
 @nox.session
 def multinode(session: nox.Session) -> None:
     """Two nodes on one machine (``tests/multinode``: a real ``sshd``, DeepSpeed's pdsh runner, two ``torchrun``
-    launchers with a c10d rendezvous) on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch
-    disabled (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Needs ``sshd`` and ``pdsh``
-    (``apt-get install openssh-server pdsh``); the tests fail, naming them, without. Writes
-    ``reports/layouts/multinode-0.19.8.json``."""
+    launchers with a c10d rendezvous; and 8 ranks, 2 nodes x 4, in 4 data-parallel x 2 model-parallel groups,
+    ``test_eight_ranks.py``) on DeepSpeed 0.19.8 in a virtualenv of its own; then the modules with the patch
+    disabled (``ci/check_red_green.py``: exactly their ``fails_unpatched`` tests must fail). Needs ``sshd`` and
+    ``pdsh`` (``apt-get install openssh-server pdsh``); the tests fail, naming them, without. Writes
+    ``reports/layouts/multinode-0.19.8.json``, the 8-rank runs among its configurations."""
     deepspeed = "0.19.8"
     os.makedirs(LAYOUTS, exist_ok=True)
     _install(session, deepspeed)
     session.chdir(ROOT)
     measured = os.path.join(ROOT, "reports", "multinode", f"measured-{deepspeed}.json")
+    eight = os.path.join(ROOT, "reports", "multinode", f"eight-ranks-{deepspeed}.json")  # test_eight_ranks.py's
     os.makedirs(os.path.dirname(measured), exist_ok=True)
-    if os.path.exists(measured):
-        os.remove(measured)
+    for path in (measured, eight):
+        if os.path.exists(path):
+            os.remove(path)
     env = dict(CLEAN,
                DS_MULTINODE_REPORT=measured,
+               DS_MULTINODE_EIGHT_REPORT=eight,
                TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
     tests = _pytest(session, f"multinode-{deepspeed}", "tests/multinode", env=env)
     done = session.run("python", "ci/check_red_green.py", "tests/multinode", env=env, success_codes=[0, 1])
@@ -725,6 +730,11 @@ def multinode(session: nox.Session) -> None:
         with open(measured) as f:
             found = json.load(f)
         more = {"versions": found["versions"], "runs": found["runs"], "launches": found["launches"]}
+    if os.path.exists(eight):  # the 8-rank runs, one configuration each, and their launches
+        with open(eight) as f:
+            found = json.load(f)
+        more.setdefault("runs", {}).update(found["runs"])
+        more.setdefault("launches", {}).update(found["launches"])
     # The module also holds tests that pass unpatched (a rank that cannot import the package): the verdict is
     # check_red_green.py's, exactly the marked tests failing.
     _finish_layout(session, "multinode", deepspeed, tests, unpatched, dict(more, red_green="pass" if done else "FAIL"))
@@ -758,3 +768,32 @@ def pipeline(session: nox.Session) -> None:
     if not done:
         more["red_green"] = "FAIL"
     _finish_layout(session, "pipeline", deepspeed, tests, unpatched, more)
+
+
+@nox.session
+def sequence(session: nox.Session) -> None:
+    """Sequence parallelism (``tests/sequence``): DeepSpeed's Ulysses ``DistributedAttention`` over a sequence-parallel
+    group of 2 ranks (gloo's all-to-all on the CPU), DeepSpeed's Ulysses ``mpu``, ZeRO-2 with offload, bf16 and fp16
+    with a fault, on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch disabled
+    (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Writes
+    ``reports/layouts/sequence-0.19.8.json`` with the host syncs per boundary backward (unpatched, patched)."""
+    deepspeed = "0.19.8"
+    os.makedirs(LAYOUTS, exist_ok=True)
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    measured = os.path.join(ROOT, "reports", "sequence", f"{deepspeed}.json")  # written by tests/sequence
+    if os.path.exists(measured):
+        os.remove(measured)
+    env = dict(CLEAN, TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    tests = _pytest(session, f"sequence-{deepspeed}", "tests/sequence", env=env)
+    done = session.run("python", "ci/check_red_green.py", "tests/sequence", env=env, success_codes=[0, 1])
+    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out
+    # (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
+    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    more = {}
+    if os.path.exists(measured):
+        with open(measured) as f:
+            more["runs"] = json.load(f)["runs"]
+    if not done:
+        more["red_green"] = "FAIL"
+    _finish_layout(session, "sequence", deepspeed, tests, unpatched, more)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from deepspeed_offload_patch.launcher import BOOTSTRAP_DIR, bootstrap_path
+from deepspeed_offload_patch.launcher import BOOTSTRAP_DIR
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, _free_port
 from unit.common import clean_env, run_command
 
@@ -180,7 +180,8 @@ def report() -> Iterator[None]:
     every rank, unpatched (the reference) and patched, in ``$DS_MULTINODE_REPORT`` if set (``nox -s multinode``)."""
     yield
     path = os.environ.get("DS_MULTINODE_REPORT")
-    if not path:
+    # The red/green run (the switch at 1) launches nothing patched: writing would replace the green run's numbers.
+    if not path or _switch() == "1":
         return
     sides = {"pdsh": ("reference", ["import", "run"]), "torchrun-c10d": ("reference", ["torchrun-run"])}
     runs = {
@@ -295,6 +296,17 @@ def test_audit_reports_every_rank_per_node_and_in_total(cluster, tmp_root: str) 
     assert "note:" not in run["stdout"]
 
 
+def _launcher_bootstrap_path(cwd: str) -> List[str]:
+    """``bootstrap_path()`` as ``ds-offload-patch run`` computes it: this interpreter, outside the checkout. In the
+    version matrix's virtualenvs the package is installed (the bootstrap in site-packages, no checkout entry) while
+    this process imports the checkout's copy, so this process's own answer would differ from the command's."""
+    code = ("import os; from deepspeed_offload_patch.launcher import bootstrap_path; "
+            "print(os.pathsep.join(bootstrap_path()))")
+    result = run_command([sys.executable, "-c", code], cwd=cwd)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1].split(os.pathsep)
+
+
 @pytest.mark.fails_unpatched
 def test_a_pythonpath_line_in_deepspeed_env_is_named_and_its_fix_reaches_every_rank(cluster, tmp_root: str) -> None:
     """A job whose ``.deepspeed_env`` sets its own PYTHONPATH: DeepSpeed's runner exports that line to every node in
@@ -308,7 +320,7 @@ def test_a_pythonpath_line_in_deepspeed_env_is_named_and_its_fix_reaches_every_r
     env_file = os.path.join(run["job"], ".deepspeed_env")
     assert f"ds-offload-patch run: warning: {env_file} sets PYTHONPATH" in run["output"], run["output"][-4000:]
     fixed = re.search(r"^PYTHONPATH=(\S+)$", run["output"], re.M).group(1)
-    assert fixed == os.pathsep.join(bootstrap_path() + [own]), fixed
+    assert fixed == os.pathsep.join(_launcher_bootstrap_path(tmp_root) + [own]), fixed
     run = _reach(cluster, tmp_root, "reach-fixed-pythonpath", _switch(), through_run=True, extra={"PYTHONPATH": fixed})
     states = {rank: found["state"] for rank, found in run["ranks"].items()}
     assert "ds-offload-patch run: warning" not in run["output"], run["output"][-4000:]
