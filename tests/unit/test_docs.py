@@ -187,3 +187,22 @@ def test_readme_s_state_table_gives_each_state_the_cli_s_exit_code():
     assert set(stated) == documented, set(stated) ^ documented
     for state, code in stated.items():
         assert EXIT.get(State(state), 0 if state in ("applied", "upstream-fixed") else 1) == code, state
+
+
+def _ci_times() -> list:
+    """``(seconds, total, phase)`` per line of ci/ci-times.txt: the ``reports/ci-times.txt`` a timed ``.ci/run`` wrote,
+    kept with the docs."""
+    with open(os.path.join(ROOT, "ci", "ci-times.txt")) as f:
+        return [(int(m.group(1)), int(m.group(2)), m.group(3))
+                for m in re.finditer(r"^(\d+) s \(total (\d+) s\): (.+)$", f.read(), re.M)]
+
+
+def test_ci_readme_s_phase_times_are_the_measured_ones():
+    times = _ci_times()
+    assert times and times[0][2] == "ci/test.sh", times
+    with open(os.path.join(ROOT, "ci", "README.md")) as f:
+        section = _between(f.read(), "ci-times")
+    for seconds, _, phase in times:
+        assert f"| `{phase}` | {seconds} s |" in section, phase
+    total = times[-1][1]
+    assert f"| **total** | **{total} s ({total / 60:.1f} min)** |" in section, total
