@@ -747,27 +747,7 @@ def pipeline(session: nox.Session) -> None:
     on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch disabled
     (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Writes
     ``reports/layouts/pipeline-0.19.8.json`` with the host syncs per instruction (unpatched, patched)."""
-    deepspeed = "0.19.8"
-    os.makedirs(LAYOUTS, exist_ok=True)
-    _install(session, deepspeed)
-    session.chdir(ROOT)
-    measured = os.path.join(ROOT, "reports", "pipeline", f"{deepspeed}.json")  # written by tests/pipeline
-    if os.path.exists(measured):
-        os.remove(measured)
-    # The deepspeed launcher of the audit tests JIT-builds DeepSpeed's shared-memory op: a folder of the session's.
-    env = dict(CLEAN, TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
-    tests = _pytest(session, f"pipeline-{deepspeed}", "tests/pipeline", env=env)
-    done = session.run("python", "ci/check_red_green.py", "tests/pipeline", env=env, success_codes=[0, 1])
-    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out
-    # (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
-    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
-    more = {}
-    if os.path.exists(measured):
-        with open(measured) as f:
-            more["runs"] = json.load(f)["runs"]
-    if not done:
-        more["red_green"] = "FAIL"
-    _finish_layout(session, "pipeline", deepspeed, tests, unpatched, more)
+    _layout_module(session, "pipeline")
 
 
 @nox.session
@@ -777,16 +757,23 @@ def sequence(session: nox.Session) -> None:
     with a fault, on DeepSpeed 0.19.8 in a virtualenv of its own; then the module with the patch disabled
     (``ci/check_red_green.py``: exactly its ``fails_unpatched`` tests must fail). Writes
     ``reports/layouts/sequence-0.19.8.json`` with the host syncs per boundary backward (unpatched, patched)."""
-    deepspeed = "0.19.8"
+    _layout_module(session, "sequence")
+
+
+def _layout_module(session: nox.Session, kind: str, deepspeed: str = "0.19.8") -> None:
+    """Run ``tests/<kind>`` on ``deepspeed`` in the session's own virtualenv, then its red/green run
+    (``ci/check_red_green.py``), and write ``reports/layouts/<kind>-<release>.json`` with the runs the module measured
+    (``reports/<kind>/<release>.json``, which its tests write)."""
     os.makedirs(LAYOUTS, exist_ok=True)
     _install(session, deepspeed)
     session.chdir(ROOT)
-    measured = os.path.join(ROOT, "reports", "sequence", f"{deepspeed}.json")  # written by tests/sequence
+    measured = os.path.join(ROOT, "reports", kind, f"{deepspeed}.json")
     if os.path.exists(measured):
         os.remove(measured)
+    # A deepspeed launcher in the tests JIT-builds DeepSpeed's shared-memory op: a folder of the session's.
     env = dict(CLEAN, TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
-    tests = _pytest(session, f"sequence-{deepspeed}", "tests/sequence", env=env)
-    done = session.run("python", "ci/check_red_green.py", "tests/sequence", env=env, success_codes=[0, 1])
+    tests = _pytest(session, f"{kind}-{deepspeed}", f"tests/{kind}", env=env)
+    done = session.run("python", "ci/check_red_green.py", f"tests/{kind}", env=env, success_codes=[0, 1])
     # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out
     # (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
     unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
@@ -796,4 +783,4 @@ def sequence(session: nox.Session) -> None:
             more["runs"] = json.load(f)["runs"]
     if not done:
         more["red_green"] = "FAIL"
-    _finish_layout(session, "sequence", deepspeed, tests, unpatched, more)
+    _finish_layout(session, kind, deepspeed, tests, unpatched, more)
