@@ -213,7 +213,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
 @nox.session(python=[FLOOR, NEWEST])
 def ci(session: nox.Session) -> None:
     """CI's part of the matrix in one virtualenv per Python, so that torch and the tools are installed once: each
-    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core,no-diff``, ``0.19.6:smoke,no-diff,stacks``) or ``variants``;
+    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core,no-diff``, ``0.19.6:smoke,no-diff,stacks-launcher``) or ``variants``;
     each release is installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The
     results are those of the ``release``, ``stacks`` and ``variants`` sessions. ``ci-3.10`` and ``ci-3.13`` run on
     the oldest and the newest supported Python, so that every landing proves both (``ci/test.sh`` runs on the
@@ -647,8 +647,8 @@ def stacks(session: nox.Session, deepspeed: str) -> None:
     """HF Trainer (``torchrun`` and the ``deepspeed`` launcher), Accelerate and Lightning, each launched as their
     users launch them, unpatched, under ``ds-offload-patch run`` and with a plain import (``tests/stacks``): no host
     sync in any boundary backward and bit-identical training; then the patched tests again with the patch disabled,
-    which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs this on 0.19.6, after its ``smoke``
-    run: ``nox -s ci-3.13 -- 0.19.6:smoke,no-diff,stacks``.)"""
+    which must all fail. Writes ``reports/layouts/stacks-<release>.json``. (CI runs it on 0.19.6, after its ``smoke``
+    run, through ``ds-offload-patch run`` only: ``nox -s ci-3.13 -- 0.19.6:smoke,no-diff,stacks-launcher``.)"""
     _install(session, deepspeed)
     _stacks(session, deepspeed)
 

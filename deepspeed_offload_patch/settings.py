@@ -15,6 +15,9 @@ AUTO = "DS_OFFLOAD_PATCH_AUTO"
 #: ``0``: leave out the skipped-step fix (a skipped step's gradient kept in DeepSpeed 0.19.8's compact fp32 buffer).
 #: On by default where DeepSpeed has that defect.
 SKIPPED_STEP = "DS_OFFLOAD_PATCH_SKIPPED_STEP"
+#: ``1`` (CI's, not the package's): the release tests fail, instead of skipping, on a supported Python this machine
+#: lacks (``tests/release/test_pythons.py``; ``.ci/run`` sets it).
+ALL_PYTHONS = "DS_OFFLOAD_PATCH_ALL_PYTHONS"
 #: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: the
 #: skipped-step fix and the on-device grad norm stay off whatever their own switches say.
 UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from deepspeed_offload_patch import settings
 from unit.common import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,8 +30,8 @@ from pythons import SUPPORTED, find  # noqa: E402
 def _interpreter(version: str) -> str:
     path = find(version)
     if path is None:
-        if os.environ.get("DS_OFFLOAD_PATCH_ALL_PYTHONS") == "1":
-            pytest.fail(f"Python {version} is not on this machine (ci/pythons.py), and DS_OFFLOAD_PATCH_ALL_PYTHONS=1")
+        if os.environ.get(settings.ALL_PYTHONS) == "1":
+            pytest.fail(f"Python {version} is not on this machine (ci/pythons.py), and {settings.ALL_PYTHONS}=1")
         pytest.skip(f"Python {version} is not on this machine")
     return path
 
