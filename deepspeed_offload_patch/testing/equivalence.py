@@ -560,6 +560,13 @@ def side_env(side: str) -> Dict[str, str]:
     return dict(SIDE_ENV[side])
 
 
+def both_sides(train: Callable[[str], Any], current: Any) -> Dict[str, Any]:
+    """``{PATCHED: ..., UNPATCHED: ...}``: ``train(side)`` in patched and in unpatched processes. ``current``, the
+    result of ``train(CURRENT)``, is reused as the patched side when this process's switch leaves the patch on."""
+    patched = current if side_env(CURRENT) == side_env(PATCHED) else train(PATCHED)
+    return {PATCHED: patched, UNPATCHED: train(UNPATCHED)}
+
+
 def run_side(side: str,
              runs: Sequence[Run],
              setup: Optional[Callable[[], None]] = None,

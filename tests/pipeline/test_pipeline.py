@@ -25,7 +25,7 @@ import sys
 import pytest
 
 from deepspeed_offload_patch import GOOD_STATES
-from deepspeed_offload_patch.testing.equivalence import CURRENT, PATCHED, UNPATCHED, differences, side_env
+from deepspeed_offload_patch.testing.equivalence import CURRENT, PATCHED, UNPATCHED, both_sides, differences, side_env
 from deepspeed_offload_patch.testing.launch import _free_port, run_distributed
 from pipe_train import STAGES, WORLD, PipeRun, trace_pipeline
 from unit.common import assert_ok, run_command
@@ -57,8 +57,7 @@ def current():
 @pytest.fixture(scope="module")
 def sides(current):
     """Every run in patched and in unpatched processes (the current run is the patched one when the switch is on)."""
-    patched = current if side_env(CURRENT) == side_env(PATCHED) else _train(PATCHED)
-    found = {PATCHED: patched, UNPATCHED: _train(UNPATCHED)}
+    found = both_sides(_train, current)
     _report(found)
     return found
 

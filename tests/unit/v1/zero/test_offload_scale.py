@@ -24,9 +24,9 @@ import os
 import pytest
 
 from deepspeed_offload_patch import GOOD_STATES
-from deepspeed_offload_patch.testing.equivalence import (CURRENT, PATCHED, UNPATCHED, Fault, Run,
+from deepspeed_offload_patch.testing.equivalence import (CURRENT, PATCHED, UNPATCHED, Fault, Run, both_sides,
                                                          bad_gradients_survive, boundary_syncs, differences,
-                                                         fault_problems, run_side, side_env)
+                                                         fault_problems, run_side)
 
 WORLD = 4
 STEPS = 4
@@ -95,8 +95,7 @@ def current():
 @pytest.fixture(scope="module")
 def sides(current):
     """Every run in patched and in unpatched processes (the current run is the patched one when the switch is on)."""
-    patched = current if side_env(CURRENT) == side_env(PATCHED) else _train(PATCHED)
-    found = {PATCHED: patched, UNPATCHED: _train(UNPATCHED)}
+    found = both_sides(_train, current)
     _report(found)
     return found
 
