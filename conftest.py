@@ -29,8 +29,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
+
+from deepspeed_offload_patch import cpu_shm
 
 try:
     from sybil import Sybil
@@ -75,6 +78,29 @@ def transcript(source: str) -> list:
             i += 1
         steps.append((command, "\n".join(shown) + "\n" if shown else None))
     return steps
+
+
+#: How long the leak check waits for a new buffer file it did not expect to be removed: another job on the machine
+#: (a second checkout's suite) may have just ended and be about to remove its own.
+SHM_GRACE_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_deepspeed_shm_files(request):
+    """Every test (each job it launches) must leave ``/dev/shm`` with DeepSpeed's buffer files as it found them
+    (69 MB of RAM per rank that DeepSpeed never removes). A file that appeared during the test, that no live process
+    uses, and that is still there after :data:`SHM_GRACE_S` fails the test, and is removed."""
+    before = cpu_shm.buffer_files()
+    yield
+    left = cpu_shm.leftovers(before)
+    deadline = time.monotonic() + SHM_GRACE_S
+    while left and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left = [path for path in cpu_shm.leftovers(before) if path in left]
+    if left:
+        cpu_shm.remove(left)
+        pytest.fail(f"{request.node.nodeid} left {len(left)} DeepSpeed shm buffer file(s) in {cpu_shm.SHM_DIR} "
+                    f"(removed now): {', '.join(os.path.basename(p) for p in left)}")
 
 
 class ConsoleTranscript(CodeBlockParser):

@@ -117,6 +117,16 @@ def _install(session: nox.Session, version: str) -> None:
     # sybil: the checkout's conftest.py imports it (the documents run as tests), so pytest needs it for any path.
     session.install(f"deepspeed=={version}", "pytest", "packaging", "sybil")
     session.install("--no-deps", "--force-reinstall", ROOT)
+    _build_ops(session, version)
+
+
+def _build_ops(session: nox.Session, label: str) -> None:
+    """Give the DeepSpeed just installed its own ``TORCH_EXTENSIONS_DIR`` (``torch_extensions-<label>`` in the
+    virtualenv: releases overwrite each other's JIT builds in a shared one, and the ci sessions install several in one
+    virtualenv), and build DeepSpeed's CPU shm op there now, in this one process: no multi-rank job a test launches
+    is then the first to need it (two ranks that both build it race, and on a loaded machine one loses)."""
+    session.env["TORCH_EXTENSIONS_DIR"] = os.path.join(session.virtualenv.location, f"torch_extensions-{label}")
+    session.run("python", "-m", "deepspeed_offload_patch.cpu_shm", "build")
 
 
 def _junit_counts(path: str) -> dict:
@@ -520,11 +530,9 @@ def pythons(session: nox.Session) -> None:
     outside = os.path.join(wheels, "outside")
     os.makedirs(outside, exist_ok=True)
     for deepspeed in PYTHON_RELEASES:
-        # One JIT folder per release: releases overwrite each other's build of DeepSpeed's ops in a shared one.
-        session.env["TORCH_EXTENSIONS_DIR"] = os.path.join(session.virtualenv.location,
-                                                           f"torch_extensions-{deepspeed}")
         session.install(f"deepspeed=={deepspeed}", "pytest", "packaging")
         session.install("--no-deps", "--force-reinstall", wheel)
+        _build_ops(session, deepspeed)
         session.chdir(outside)  # the checkout is not on sys.path: the installed wheel is what runs
         result = {"release": deepspeed, "package": "wheel", "expected": State.APPLIED}
         status = _status(session, env=CLEAN)
@@ -665,11 +673,8 @@ def _stacks(session: nox.Session, deepspeed: str, routes: tuple = ("launcher", "
     measured = os.path.join(ROOT, "reports", "stacks", f"measured-{deepspeed}.json")  # what tests/stacks writes
     if os.path.exists(measured):
         os.remove(measured)
-    # The launchers JIT-build DeepSpeed's shared-memory op: one folder per release (the ci session installs several
-    # in one virtualenv), as releases overwrite each other's build in a shared one.
-    env = dict(CLEAN,
-               DS_STACK_REPORT=measured,
-               TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    # The launchers load DeepSpeed's shared-memory op from the release's own folder, built by _install.
+    env = dict(CLEAN, DS_STACK_REPORT=measured)
     tests = _pytest(session, f"stacks-{deepspeed}", *select, "tests/stacks", env=env)
     with open(measured) as f:
         found = json.load(f)
@@ -717,10 +722,7 @@ def multinode(session: nox.Session) -> None:
     for path in (measured, eight):
         if os.path.exists(path):
             os.remove(path)
-    env = dict(CLEAN,
-               DS_MULTINODE_REPORT=measured,
-               DS_MULTINODE_EIGHT_REPORT=eight,
-               TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    env = dict(CLEAN, DS_MULTINODE_REPORT=measured, DS_MULTINODE_EIGHT_REPORT=eight)
     tests = _pytest(session, f"multinode-{deepspeed}", "tests/multinode", env=env)
     done = session.run("python", "ci/check_red_green.py", "tests/multinode", env=env, success_codes=[0, 1])
     # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out.
@@ -770,8 +772,7 @@ def _layout_module(session: nox.Session, kind: str, deepspeed: str = "0.19.8") -
     measured = os.path.join(ROOT, "reports", kind, f"{deepspeed}.json")
     if os.path.exists(measured):
         os.remove(measured)
-    # A deepspeed launcher in the tests JIT-builds DeepSpeed's shared-memory op: a folder of the session's.
-    env = dict(CLEAN, TORCH_EXTENSIONS_DIR=os.path.join(session.virtualenv.location, f"torch_extensions-{deepspeed}"))
+    env = dict(CLEAN)  # TORCH_EXTENSIONS_DIR: the release's own, where _install built DeepSpeed's shm op
     tests = _pytest(session, f"{kind}-{deepspeed}", f"tests/{kind}", env=env)
     done = session.run("python", "ci/check_red_green.py", f"tests/{kind}", env=env, success_codes=[0, 1])
     # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out

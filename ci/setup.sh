@@ -16,3 +16,6 @@ python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$T
 python -m pip install --quiet -e ".[dev]"
 # DeepSpeed JIT-builds ops into here; keep them out of the home directory of a shared machine.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+# DeepSpeed's CPU shm comm op, built now in this one process: no multi-rank job is then the first to need it (two
+# ranks that both find it unbuilt race to build it, and on a loaded machine one loads it before it is written).
+python -m deepspeed_offload_patch.cpu_shm build

@@ -14,8 +14,12 @@ the launch, and ``run`` prints it with the line that fixes it.
 """
 
 import os
+import signal
+import subprocess
 import sys
 from typing import Dict, List, Optional
+
+from deepspeed_offload_patch import cpu_shm
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 #: The file of ``DS_OFFLOAD_PATCH_*`` variables that ``ds-offload-patch audit`` puts in a folder on PYTHONPATH; the
@@ -86,13 +90,35 @@ def deepspeed_env_problems(command: List[str],
     return problems
 
 
+def launch(command: List[str], env: Dict[str, str], prefix: str) -> int:
+    """Run ``command`` with ``env`` and return its exit code (127 if it cannot start), as a job on the CPU
+    accelerator needs it: DeepSpeed's CPU shm op is built first, in one process (this interpreter, this process's
+    own environment), so that the ranks only load it (:func:`cpu_shm.build_op_in_subprocess`; a failed build is one
+    line on stderr and the ranks build it as they would have); afterwards the ``/dev/shm`` buffer files the job's
+    ranks created and left are removed. SIGTERM (a CI runner's timeout or cancel) and Ctrl-C go on to the command,
+    whose launcher stops its ranks. A command killed by signal N gives 128 + N."""
+    cpu_shm.build_op_in_subprocess(prefix=prefix)
+    with cpu_shm.removes_leftovers():
+        try:
+            process = subprocess.Popen(command, env=env)
+        except OSError as exc:
+            print(f"{prefix}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            return 127
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
+        try:
+            while True:
+                try:
+                    code = process.wait()
+                    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell says
+                except KeyboardInterrupt:
+                    process.send_signal(signal.SIGINT)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run(command: List[str]) -> int:
-    """Replace this process with ``command`` in the patched environment, after printing to stderr each of
-    :func:`deepspeed_env_problems`. Returns only if it cannot start (127)."""
+    """Run ``command`` in the patched environment through :func:`launch`, after printing to stderr each of
+    :func:`deepspeed_env_problems`; returns the command's exit code (127 if it cannot start)."""
     for problem in deepspeed_env_problems(command):
         print(f"ds-offload-patch run: warning: {problem}", file=sys.stderr, flush=True)
-    try:
-        os.execvpe(command[0], command, patched_environment())
-    except OSError as exc:
-        print(f"ds-offload-patch run: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
+    return launch(command, patched_environment(), "ds-offload-patch run")

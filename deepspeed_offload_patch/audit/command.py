@@ -15,8 +15,6 @@ no rank counted a whole optimizer step (nothing was audited, which a CI gate mus
 import glob
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
@@ -24,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.audit import rank as auditor
 from deepspeed_offload_patch.audit import report as audit_report
-from deepspeed_offload_patch.launcher import FORWARDED_ENV_FILE, deepspeed_env_problems, patched_environment
+from deepspeed_offload_patch.launcher import FORWARDED_ENV_FILE, deepspeed_env_problems, launch, patched_environment
 
 PREFIX = "ds-offload-patch audit"
 
@@ -67,20 +65,7 @@ def _run_once(command: List[str], steps: int, stop_after: bool, top: int, switch
             settings.AUDIT_PRINT: "0" if quiet else "1",
         })
         _forward_through_pythonpath(env, folder)
-        try:
-            process = subprocess.Popen(command, env=env)
-        except OSError as exc:
-            print(f"{PREFIX}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-            return 127, [], False
-        # A CI runner's SIGTERM (a timeout, a cancelled job) goes on to the launcher, which stops its ranks.
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
-        try:
-            code = process.wait()
-        except KeyboardInterrupt:
-            process.send_signal(signal.SIGINT)
-            code = process.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        code = launch(command, env, PREFIX)
         reports, printed = _reports(folder)
     return code, reports, printed
 

@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
-from unit.common import run_command
+from deepspeed_offload_patch import cpu_shm
+from unit.common import run_command, shm_op_built
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -131,8 +132,10 @@ def launch(stack: str, mode: str, tmp_root: str) -> Dict[str, Any]:
     # (DS_OFFLOAD_PATCH_DISABLE=1) shows their tests failing.
     env["DS_OFFLOAD_PATCH_DISABLE"] = "1" if mode == REFERENCE else os.environ.get("DS_OFFLOAD_PATCH_DISABLE", "0")
     command = _command(stack, mode, port)
+    shm_op_built()  # the unpatched and import routes launch directly: no `run` to build DeepSpeed's shm op first
     started = time.monotonic()
-    result = run_command(command, env=env, cwd=HERE)
+    with cpu_shm.removes_leftovers():  # DeepSpeed's ranks never remove their /dev/shm buffers
+        result = run_command(command, env=env, cwd=HERE)
     wall = time.monotonic() - started
     ranks = {}
     for rank in range(WORLD_SIZE):

@@ -11,6 +11,7 @@ cores with cold caches), never a budget: a slow machine is not failed by it, and
 and the time it had.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -73,3 +74,12 @@ def assert_ok(result: subprocess.CompletedProcess) -> str:
     """Assert the child exited 0; return its output, stdout then stderr (DeepSpeed's logger writes to stdout)."""
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return result.stdout + result.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def shm_op_built() -> str:
+    """Build DeepSpeed's CPU shm comm op once per test session, in one process, before a test launches ranks that
+    load it themselves (a launcher started without ``ds-offload-patch run``/``audit``, which build it first): two ranks
+    that both find it unbuilt race to build it, and on a loaded machine one loads it before the other has written it.
+    Returns what the build said; fails the test if it failed."""
+    return assert_ok(run_command([sys.executable, "-m", "deepspeed_offload_patch.cpu_shm", "build"]))

@@ -12,9 +12,11 @@ PACKAGE = "deepspeed_offload_patch"
 
 FLOORS = {
     # What DeepSpeed's methods are replaced with, the data, and mechanisms that know nothing of the rest.
-    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "launcher", "overflow",
+    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "overflow",
         "grad_norm", "skipped_step", "testing.launch", "audit.report", "states"),
-    1: ("settings", "guard"),  # the switches; the decision whether to patch
+    # The switches; the decision whether to patch; the launch of a patched command (DeepSpeed's shm op built first,
+    # its /dev/shm files removed after).
+    1: ("settings", "guard", "launcher"),
     2: ("patcher", ),  # applies and reverts, keeps the status
     # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
     # verify and the harness); a job's defects from its config.
