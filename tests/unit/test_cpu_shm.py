@@ -149,3 +149,29 @@ def test_module_never_raises_without_deepspeed(action):
             f'raise SystemExit(cpu_shm.main([{action!r}]))')
     output = assert_ok(run_command([sys.executable, "-c", code]))
     assert ("not needed: DeepSpeed does not import" in output) if action == "build" else ("removed" in output)
+
+
+def test_a_test_that_leaves_a_buffer_file_fails(tmp_path):
+    """The root conftest's check, seen from outside: a test that leaves a buffer file behind fails, and the file is
+    removed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    leaked = os.path.join(cpu_shm.SHM_DIR, f"{cpu_shm.BUFFER_PREFIX}{os.getuid()}_127.0.0.1_1_{os.getpid()}")
+    folder = tmp_path / "leaks"
+    folder.mkdir()
+    (folder / "test_leaks.py").write_text(f"def test_leaks():\n    open({leaked!r}, 'wb').close()\n\n\n"
+                                          "def test_clean():\n    pass\n")
+    try:
+        # The root conftest as a plugin: the test file lies outside the checkout, where it would not be collected.
+        result = run_command([
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+            str(folder / "test_leaks.py")
+        ],
+                             env={"SHM_LEAK_GRACE_S": "0"},
+                             cwd=root)
+    finally:
+        if os.path.exists(leaked):
+            os.unlink(leaked)
+            pytest.fail("the check did not remove the file it found")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "left 1 DeepSpeed shm buffer file(s)" in result.stdout and "1 error" in result.stdout, result.stdout
+    assert "2 passed" in result.stdout, result.stdout
