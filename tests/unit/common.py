@@ -18,7 +18,7 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, _free_port, run_distributed
 
 
 class DistributedTest:
@@ -83,3 +83,17 @@ def shm_op_built() -> str:
     that both find it unbuilt race to build it, and on a loaded machine one loads it before the other has written it.
     Returns what the build said; fails the test if it failed."""
     return assert_ok(run_command([sys.executable, "-m", "deepspeed_offload_patch.cpu_shm", "build"]))
+
+
+LAUNCHERS = ("deepspeed", "torchrun")
+
+
+def on_free_port(command: List[str]) -> List[str]:
+    """``command`` with ``--master_port`` set to a free port right after its launcher (``deepspeed`` or ``torchrun``,
+    by base name). Both default to 29500: two jobs on one machine (this suite beside another, or beside CI) on that
+    port collide (``EADDRINUSE``) and would share DeepSpeed's shm buffer names, which carry the port. A command
+    without either launcher is returned unchanged."""
+    for index, arg in enumerate(command):
+        if os.path.basename(str(arg)) in LAUNCHERS:
+            return [*command[:index + 1], "--master_port", str(_free_port()), *command[index + 1:]]
+    return list(command)

@@ -14,7 +14,7 @@ import pytest
 
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.audit import report as audit_report
-from unit.common import HANG_GUARD_S, assert_ok, run_command
+from unit.common import HANG_GUARD_S, assert_ok, on_free_port, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
 TENSORS = 40  # ci/smoke_train.py's default: 20 Linear layers, 20 tensors in each rank's partition
@@ -35,10 +35,11 @@ def script(tmp_path_factory):
 
 
 def launched(args, script, env=None, timeout=HANG_GUARD_S):
-    """``ds-offload-patch ARGS`` in the user's folder, with this interpreter's launchers first on PATH."""
+    """``ds-offload-patch ARGS`` in the user's folder, with this interpreter's launchers first on PATH and the
+    launcher's master port a free one."""
     env = dict(env or {})
     env.update({"LOCAL_SIZE": "2", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
-    return run_command(CLI + list(args), env=env, cwd=script, timeout=timeout)
+    return run_command(CLI + on_free_port(list(args)), env=env, cwd=script, timeout=timeout)
 
 
 TORCHRUN = ["torchrun", "--nproc_per_node", "2", "train.py"]

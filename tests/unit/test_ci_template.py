@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from unit.common import run_command
+from unit.common import on_free_port, run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATES = os.path.join(ROOT, "ci", "templates")
@@ -77,7 +77,7 @@ def test_the_audit_job_passes_patched_and_fails_unpatched_whatever_the_size(laye
     args = [report if arg == "ds-offload-patch-audit.json" else arg for arg in args] + ["--layers", str(layers)]
     if disabled:
         env["DS_OFFLOAD_PATCH_DISABLE"] = "1"
-    result = run_template([str(arg) for arg in args], repo, env=env)
+    result = run_template(on_free_port([str(arg) for arg in args]), repo, env=env)
     output = result.stdout + result.stderr
     ranks = json.loads(report.read_text())["runs"]["run"]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1], ranks

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from deepspeed_offload_patch import diffs
-from unit.common import assert_ok, run_command
+from unit.common import assert_ok, on_free_port, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
 TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
@@ -184,7 +184,7 @@ def test_run_patches_every_rank_of_an_unmodified_script(tmp_path, launcher):
                                             "'USER_SITECUSTOMIZE'))\n")
     bindir = os.path.dirname(sys.executable)
     env = {"LOCAL_SIZE": "2", "PATH": bindir + os.pathsep + os.environ.get("PATH", ""), "PYTHONPATH": str(user_site)}
-    result = cli("run", "--", *launcher, "script.py", env=env, cwd=tmp_path)
+    result = cli("run", "--", *on_free_port([*launcher, "script.py"]), env=env, cwd=tmp_path)
     output = assert_ok(result)
     assert "rank 0: applied" in output and "rank 1: applied" in output, output
 
@@ -195,7 +195,7 @@ def test_run_patches_every_rank_of_an_unmodified_script(tmp_path, launcher):
 def test_run_without_the_launcher_leaves_the_script_unpatched(tmp_path):
     (tmp_path / "script.py").write_text(RANK_SCRIPT)
     env = {"LOCAL_SIZE": "2", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    result = run_command(["torchrun", "--nproc_per_node", "2", "script.py"], env=env, cwd=tmp_path)
+    result = run_command(on_free_port(["torchrun", "--nproc_per_node", "2", "script.py"]), env=env, cwd=tmp_path)
     assert "rank 0: not loaded" in assert_ok(result)
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from deepspeed_offload_patch import cpu_shm
-from unit.common import HANG_GUARD_S, assert_ok, run_command
+from unit.common import HANG_GUARD_S, assert_ok, on_free_port, run_command
 
 CLI = [sys.executable, "-m", "deepspeed_offload_patch"]
 
@@ -108,11 +108,11 @@ def test_clean_removes_only_unused_buffer_files(tmp_path):
                 os.unlink(path)
 
 
-def test_run_builds_the_op_once_before_the_ranks_and_leaves_dev_shm_as_it_found_it(tmp_path):
+def test_run_builds_the_op_once_before_the_ranks_and_removes_the_jobs_buffer_files(tmp_path):
     """``ds-offload-patch run -- torchrun --nproc_per_node 2`` in a fresh ``TORCH_EXTENSIONS_DIR``, with both cores
     busy beside it (the CI failure's conditions): every rank finds the op built before it starts (without ``run``'s
     build, both ranks would go to build it, the race CI lost), loads it, creates its buffer file, and the job leaves
-    ``/dev/shm`` with the files it had before."""
+    ``/dev/shm`` without a file of its own (its port names them; another suite's jobs may come and go beside it)."""
     (tmp_path / "script.py").write_text(RANK_SCRIPT)
     extensions = tmp_path / "torch_extensions"
     env = {
@@ -121,14 +121,12 @@ def test_run_builds_the_op_once_before_the_ranks_and_leaves_dev_shm_as_it_found_
         "TORCH_EXTENSIONS_DIR": str(extensions),
         "OMP_NUM_THREADS": "1",
     }
-    before = cpu_shm.buffer_files()
+    job = on_free_port(["torchrun", "--nproc_per_node", "2", "script.py"])
+    port = job[job.index("--master_port") + 1]
     hogs = [_hog() for _ in range(os.cpu_count() or 2)]
     started = time.monotonic()
     try:
-        result = run_command(CLI + ["run", "--", "torchrun", "--nproc_per_node", "2", "script.py"],
-                             env=env,
-                             cwd=tmp_path,
-                             timeout=HANG_GUARD_S)
+        result = run_command(CLI + ["run", "--", *job], env=env, cwd=tmp_path, timeout=HANG_GUARD_S)
     finally:
         for hog in hogs:
             hog.kill()
@@ -138,7 +136,8 @@ def test_run_builds_the_op_once_before_the_ranks_and_leaves_dev_shm_as_it_found_
         assert f"rank {rank}: built-before-start=True loaded=True buffer=1 sum=2" in output, output
     assert "deepspeed_shm_comm of DeepSpeed" in result.stderr and "ready in" in result.stderr, result.stderr
     assert glob.glob(str(extensions / "deepspeed_shm_comm" / "*.so")), "the op was not built where the job said"
-    assert cpu_shm.buffer_files() == before, "the job left DeepSpeed shm buffer files behind"
+    left = [path for path in cpu_shm.buffer_files() if f"_{port}_" in os.path.basename(path)]
+    assert not left, f"the job left DeepSpeed shm buffer files behind: {left}"
     print(f"fresh build and 2-rank job beside {len(hogs)} busy processes: {time.monotonic() - started:.0f} s")
 
 
