@@ -193,9 +193,10 @@ def readme(indexes: dict) -> str:
         groups = {}
         for version, name in index.items():
             groups.setdefault(name, []).append(version)
-        rows = "\n".join(f"| [`{prefix}{name}`]({prefix}{name}) | "
-                         f"{versions[0]} – {versions[-1]} ({len(versions)} releases) |"
-                         for name, versions in groups.items())
+        rows = "\n".join(
+            f"| [`{prefix}{name}`]({prefix}{name}) | "
+            f"{versions[0]} – {versions[-1]} ({len(versions)} release{'' if len(versions) == 1 else 's'}) |"
+            for name, versions in groups.items())
         sections.append(f"| diff | DeepSpeed releases |\n| --- | --- |\n{rows}")
     return f"""# The change as unified diffs
 

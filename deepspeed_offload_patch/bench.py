@@ -35,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -369,7 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="precisions: bf16 with the overflow check on, off, fp32 (default all)")
     parser.add_argument("--warmup", type=int, help="untimed steps after the counting step (default 2, quick 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 5, quick 3)")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2; 1 on a one-GPU machine)")
+    parser.add_argument("--world-size",
+                        type=int,
+                        default=2,
+                        help="ranks (default 2); on a GPU each rank needs a device of its own: more ranks than "
+                        "devices exit 2 before anything runs")
     parser.add_argument("--out",
                         default=os.path.join("reports", "bench"),
                         help="folder for bench.json and bench-zero<stage>.png")
@@ -381,6 +385,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _too_few_devices(world_size: int) -> Optional[int]:
+    """The device count of DeepSpeed's accelerator when it is a real device and has fewer than ``world_size``; None
+    otherwise (the CPU accelerator runs any number of ranks)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return None
+    count = accelerator.device_count()
+    return count if count < world_size else None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from packaging.version import Version
@@ -390,6 +406,12 @@ def main(argv=None) -> int:
             f"bench: needs DeepSpeed 0.17.1 or later (it times update_offload_overflow_tracker); this is "
             f"{_deepspeed_version()}",
             file=sys.stderr)
+        return 2
+    devices = _too_few_devices(args.world_size)
+    if devices is not None:
+        print(f"bench: --world-size {args.world_size} needs a device per rank; this machine's accelerator has "
+              f"{devices}: pass --world-size {max(devices, 1)}",
+              file=sys.stderr)
         return 2
     sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 800, 3200])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)

@@ -114,3 +114,28 @@ def test_an_odd_strict_value_reads_as_not_strict_where_the_patch_cannot_apply():
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "[deepspeed_offload_patch]" in line]
     assert any("'maybe' is neither 0 nor 1" in line and "not strict" in line for line in lines), lines
     assert any("0.13.5" in line and "unsupported" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("devices, code", [(1, 2), (2, None)])
+def test_bench_refuses_more_ranks_than_the_gpus_it_has(devices, code):
+    """``bench --world-size 2`` on a one-GPU machine exits 2 before any rank starts and says what to pass; with a
+    device per rank it goes on (the fake accelerator stops it right after, at the first rank)."""
+    result = _python(f"""
+        import deepspeed.accelerator
+        from deepspeed_offload_patch import bench
+
+        class OneGPU:
+            def device_name(self): return "cuda"
+            def device_count(self): return {devices}
+
+        deepspeed.accelerator.get_accelerator = lambda: OneGPU()
+        def started(*args, **kwargs): raise SystemExit("ranks started")
+        bench.run_distributed = started
+        raise SystemExit(bench.main(["--world-size", "2", "--quick"]))
+        """)
+    if code == 2:
+        assert result.returncode == 2, result
+        assert "--world-size 2 needs a device per rank; this machine's accelerator has 1: pass --world-size 1" in \
+            result.stderr, result.stderr
+    else:
+        assert "ranks started" in result.stderr, result

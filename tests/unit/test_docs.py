@@ -32,6 +32,8 @@ def test_readme_is_short_and_answers_first():
     first = "\n".join(lines[:40])
     for heading in ("Are you affected?", "What you gain", "Install", "Use", "Is it working?"):
         assert heading in first, heading
+    # The first screen shows how to know it works: the gate's command and what it prints.
+    assert "$ ds-offload-patch check" in first and "ds-offload-patch check: OK" in first, first
 
 
 def _markdown_files() -> list:
