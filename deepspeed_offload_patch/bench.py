@@ -409,9 +409,10 @@ def main(argv=None) -> int:
         return 2
     devices = _too_few_devices(args.world_size)
     if devices is not None:
-        print(f"bench: --world-size {args.world_size} needs a device per rank; this machine's accelerator has "
-              f"{devices}: pass --world-size {max(devices, 1)}",
-              file=sys.stderr)
+        print(
+            f"bench: --world-size {args.world_size} needs a device per rank; this machine's accelerator has "
+            f"{devices}: pass --world-size {max(devices, 1)}",
+            file=sys.stderr)
         return 2
     sizes = args.sizes or ([50, 200] if args.quick else [50, 200, 800, 3200])
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
