@@ -74,3 +74,5 @@ if args.save:
     state = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     state["skipped"] = torch.tensor(engine.skipped_steps)
     torch.save(state, f"{args.save}.{engine.global_rank}")
+# A rank that exits with its process group alive can abort in the teardown on a busy machine.
+deepspeed.comm.destroy_process_group()

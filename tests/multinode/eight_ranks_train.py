@@ -120,6 +120,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(path + ".json", "w") as f:
         json.dump(summary(result), f, indent=1)
     dist.barrier()  # no rank tears the process group down while another still trains
+    # Torn down before the exit: a rank that exits with its process group alive can abort on a busy machine.
+    dist.destroy_process_group()
     return 0
 
 

@@ -171,6 +171,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 deepspeed.init_distributed(dist_backend="gloo")
 patch = sys.modules.get("deepspeed_offload_patch")
 print(f"rank {deepspeed.comm.get_rank()}: {patch.status().state if patch else 'not loaded'}", flush=True)
+deepspeed.comm.destroy_process_group()
 """
 
 

@@ -34,6 +34,9 @@ total = torch.ones(4)
 dist.all_reduce(total)
 print(f"rank {rank}: built-before-start={built} loaded={loaded} buffer={len(mine)} sum={total[0].item():.0f}",
       flush=True)
+# Ended as a well-behaved script ends: a rank that exits with the process group alive can abort in its teardown on a
+# loaded machine ("terminate called without an active exception", SIGABRT after the job's work is done).
+dist.destroy_process_group()
 """
 
 
