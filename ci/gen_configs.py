@@ -69,8 +69,13 @@ def _free_port() -> str:
 
 
 def _run(code: str, args, env: Dict[str, str]) -> None:
+    from deepspeed_offload_patch import cpu_shm
+
     full = dict(os.environ, **ONE_RANK, MASTER_PORT=_free_port(), **env)
-    done = subprocess.run([sys.executable, "-c", code] + list(args), env=full, capture_output=True, text=True)
+    # Both libraries initialize deepspeed.comm on this one rank: on the CPU, DeepSpeed's shm op then leaves its
+    # buffer file in /dev/shm (0.19.6 does; a stacks test saw it).
+    with cpu_shm.removes_leftovers():
+        done = subprocess.run([sys.executable, "-c", code] + list(args), env=full, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"generating a config failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
 
