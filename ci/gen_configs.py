@@ -61,17 +61,11 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def _free_port() -> str:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
 def _run(code: str, args, env: Dict[str, str]) -> None:
     from deepspeed_offload_patch import cpu_shm
+    from deepspeed_offload_patch.testing.launch import free_port
 
-    full = dict(os.environ, **ONE_RANK, MASTER_PORT=_free_port(), **env)
+    full = dict(os.environ, **ONE_RANK, MASTER_PORT=str(free_port()), **env)
     # Both libraries initialize deepspeed.comm on this one rank: on the CPU, DeepSpeed's shm op then leaves its
     # buffer file in /dev/shm (0.19.6 does; a stacks test saw it).
     with cpu_shm.removes_leftovers():

@@ -12,20 +12,53 @@ import multiprocessing
 import os
 import pickle
 import queue
+import random
 import socket
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["DistributedFailure", "run_distributed"]
+__all__ = ["DistributedFailure", "free_port", "run_distributed"]
 
 
 class DistributedFailure(AssertionError):
     """A rank raised, died or hung. The message holds that rank's traceback or names the ranks that hung."""
 
 
-def _free_port() -> int:
+#: Where :func:`free_port` looks: below the kernel's ephemeral range, which every ``bind(0)`` and every outgoing
+#: connection on the machine draws from.
+PORT_FLOOR = 20000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_floor() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now, for a launcher's ``--master_port`` (or a server's).
+
+    Between this call and the launcher binding the port, seconds pass on a loaded machine. A port from the kernel's
+    ephemeral range (``bind(0)``) can be handed out again in that time, to any process that binds port 0 or opens a
+    connection: gloo alone does both for every rank of every job, so a suite running beside another lost its port
+    to the other's job (their ranks then met in one store). So the port is drawn at random from below that range,
+    where only explicit choices like this one land, and checked to be bindable; where the range leaves no room
+    below, the kernel picks."""
+    rng = random.SystemRandom()
+    top = _ephemeral_floor()
+    for _ in range(100 if top > PORT_FLOOR else 0):
+        port = rng.randrange(PORT_FLOOR, top)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -105,7 +138,7 @@ def run_distributed(fn: Callable[..., Any],
     """
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="ds-offload-patch-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [

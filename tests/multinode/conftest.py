@@ -18,7 +18,6 @@ fixture creates when missing.
 import dataclasses
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Dict, Iterator
 
 import pytest
 
-from deepspeed_offload_patch.testing.launch import HANG_GUARD_S
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, free_port
 
 HOSTS = ("node-a", "node-b")
 SLOTS = 2
@@ -56,12 +55,6 @@ def _tool(name: str) -> str:
         pytest.fail(f"{name} is not installed: the two-node tests need a real sshd and pdsh "
                     f"(apt-get install -y {APT_PACKAGES}; .ci/run installs them)")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _write(path: str, text: str, mode: int = 0o644) -> None:
@@ -103,7 +96,7 @@ def cluster() -> Iterator[Cluster]:
         for key in ("host_key", "user_key"):
             subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(folder, key)], check=True)
         shutil.copy(os.path.join(folder, "user_key.pub"), os.path.join(folder, "authorized_keys"))
-        port = _free_port()
+        port = free_port()
         _write(
             os.path.join(folder, "sshd_config"), "\n".join([
                 f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {folder}/host_key", f"PidFile {folder}/sshd.pid",

@@ -28,7 +28,7 @@ import pytest
 
 from deepspeed_offload_patch.testing.equivalence import (CURRENT, PATCHED, UNPATCHED, differences, fault_problems,
                                                          side_env)
-from deepspeed_offload_patch.testing.launch import _free_port
+from deepspeed_offload_patch.testing.launch import free_port
 from eight_ranks_train import FAULT_STEP, MODEL_PARALLEL, RUNS, STEPS, WORLD
 from unit.common import run_command
 
@@ -73,7 +73,7 @@ def _launch(side: str, cluster, tmp_root: str) -> Dict[str, Any]:
         os.path.join(BIN, "deepspeed"), "--hostfile",
         _hostfile(cluster, tmp_root), "--ssh_port",
         str(cluster.port), "--master_addr", "127.0.0.1", "--master_port",
-        str(_free_port()), SCRIPT, "--out", out
+        str(free_port()), SCRIPT, "--out", out
     ]
     started = time.monotonic()
     result = run_command(command, env=dict(cluster.env(), LOCAL_SIZE=str(SLOTS), **switches), cwd=job)

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 
 from deepspeed_offload_patch.launcher import BOOTSTRAP_DIR
-from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, _free_port
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, free_port
 from unit.common import clean_env, run_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,7 +75,7 @@ def _deepspeed(cluster, script: str, *args: str) -> List[str]:
     return [
         os.path.join(BIN, "deepspeed"), "--hostfile", cluster.hostfile, "--ssh_port",
         str(cluster.port), "--master_addr", "127.0.0.1", "--master_port",
-        str(_free_port()), script, *args
+        str(free_port()), script, *args
     ]
 
 
@@ -121,7 +121,7 @@ def _launch(name: str, cluster, tmp_root: str) -> Dict[str, Any]:
     if name == "one-node":  # the same job, 4 ranks on one node (no hostfile, no ssh)
         job = _job(tmp_root, name, "1")
         env = _env(cluster, {"DS_STACK_PROBE_DIR": os.path.join(job, "probe"), DISABLE: "1", "LOCAL_SIZE": str(WORLD)})
-        command = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(_free_port()), TRAIN]
+        command = [os.path.join(BIN, "deepspeed"), "--num_gpus", str(WORLD), "--master_port", str(free_port()), TRAIN]
         return _run(name, command + ["--import-patch"], env, job)
     if name in ("import", "run"):
         job = _job(tmp_root, name, _switch())
@@ -355,7 +355,7 @@ def _torchrun_pair(name: str, tmp_root: str, prefix, env: Dict[str, str]) -> Dic
     """Two ``torchrun --nnodes 2`` launchers (``--node-rank`` 0 and 1; the c10d rendezvous numbers the nodes in the
     order they join) meeting at a c10d rendezvous on 127.0.0.1, each behind ``prefix(node)`` (``ds-offload-patch run --`` or an audit command), as two nodes would start them."""
     job = _job(tmp_root, name, None)
-    port = _free_port()
+    port = free_port()
     env = clean_env(dict(env, DS_STACK_PROBE_DIR=os.path.join(job, "probe"), LOCAL_SIZE="2"))
     processes, logs = [], []
     started = time.monotonic()

@@ -26,7 +26,7 @@ import pytest
 
 from deepspeed_offload_patch import GOOD_STATES
 from deepspeed_offload_patch.testing.equivalence import CURRENT, PATCHED, UNPATCHED, both_sides, differences, side_env
-from deepspeed_offload_patch.testing.launch import _free_port, run_distributed
+from deepspeed_offload_patch.testing.launch import free_port, run_distributed
 from pipe_train import STAGES, WORLD, PipeRun, trace_pipeline
 from unit.common import assert_ok, run_command
 
@@ -163,7 +163,7 @@ def _audit(tmp_path, *options, env=None):
         str(AUDIT_STEPS), "--stop-after", "--json",
         str(report), *options, "--", "deepspeed", "--num_gpus",
         str(WORLD), "--master_port",
-        str(_free_port()),
+        str(free_port()),
         os.path.join(HERE, "pipe_train.py"), "--steps", "4"
     ]
     result = run_command(command, env=env, cwd=str(tmp_path))

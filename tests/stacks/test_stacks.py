@@ -30,7 +30,6 @@ The measurements (syncs per boundary backward per rank, wall time per launch, wh
 import importlib.metadata
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -38,6 +37,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 
 from deepspeed_offload_patch import cpu_shm
+from deepspeed_offload_patch.testing.launch import free_port
 from unit.common import run_command, shm_op_built
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,12 +86,6 @@ _runs: Dict[Tuple[str, str], Dict[str, Any]] = {}
 _report: Dict[str, Any] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _versions() -> Dict[str, str]:
     found = {}
     for name in LIBRARIES:
@@ -115,7 +109,7 @@ def launch(stack: str, mode: str, tmp_root: str) -> Dict[str, Any]:
     if (stack, mode) in _runs:
         return _runs[(stack, mode)]
     probe_out = os.path.join(tmp_root, f"{stack}-{mode}")
-    port = _free_port()
+    port = free_port()
     pythonpath = [PROBE_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
         "DS_STACK_PROBE_DIR": probe_out,

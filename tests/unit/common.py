@@ -18,7 +18,7 @@ import sys
 import textwrap
 from typing import Any, Dict, List, Optional
 
-from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, _free_port, run_distributed
+from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, free_port, run_distributed
 
 
 class DistributedTest:
@@ -95,5 +95,5 @@ def on_free_port(command: List[str]) -> List[str]:
     without either launcher is returned unchanged."""
     for index, arg in enumerate(command):
         if os.path.basename(str(arg)) in LAUNCHERS:
-            return [*command[:index + 1], "--master_port", str(_free_port()), *command[index + 1:]]
+            return [*command[:index + 1], "--master_port", str(free_port()), *command[index + 1:]]
     return list(command)

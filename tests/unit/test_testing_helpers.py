@@ -125,3 +125,21 @@ def test_on_an_accelerator_only_reads_of_its_tensors_count():
 def test_the_run_device_is_deepspeeds_accelerator_or_the_cpu():
     from deepspeed_offload_patch.hostsync import run_device_type
     assert run_device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_binds(monkeypatch, tmp_path):
+    """A launcher's port is drawn where no bind(0) or outgoing connection of another job can take it before the
+    launcher binds it (a suite beside another lost its port so); where that range is empty, the kernel picks."""
+    import socket
+
+    from deepspeed_offload_patch.testing import launch
+
+    floor = launch._ephemeral_floor()
+    ports = {launch.free_port() for _ in range(20)}
+    assert all(launch.PORT_FLOOR <= port < floor for port in ports), (sorted(ports), floor)
+    assert len(ports) > 1  # drawn at random: two suites do not walk the same sequence
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
+    (tmp_path / "range").write_text(f"{launch.PORT_FLOOR}\t60999\n")
+    monkeypatch.setattr(launch, "_EPHEMERAL_RANGE", str(tmp_path / "range"))
+    assert launch.free_port() >= launch.PORT_FLOOR
