@@ -171,6 +171,9 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 deepspeed.init_distributed(dist_backend="gloo")
 patch = sys.modules.get("deepspeed_offload_patch")
 print(f"rank {deepspeed.comm.get_rank()}: {patch.status().state if patch else 'not loaded'}", flush=True)
+# No rank leaves before every rank has joined: on a loaded machine a rank that left while its peer was still in
+# gloo's connectFullMesh failed the peer's init ("Connection closed by peer").
+deepspeed.comm.barrier()
 deepspeed.comm.destroy_process_group()
 """
 
