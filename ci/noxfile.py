@@ -48,6 +48,7 @@ from deepspeed_offload_patch import settings  # noqa: E402
 from deepspeed_offload_patch.guard import SKIPPED_STEP  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
+import pin  # noqa: E402
 from pythons import FLOOR, NEWEST, SUPPORTED, find  # noqa: E402
 
 # nox finds an interpreter by its version on PATH; pyenv's shims there do not run a version that is not active, so
@@ -102,9 +103,23 @@ CI_VARIANTS = tuple(VARIANTS)[:3]
 nox.options.envdir = os.path.join(ROOT, ".nox")
 
 
+def _constrain(session: nox.Session, *own: str) -> None:
+    """Install with the pinned test environment (``ci/constraints.txt``) for the rest of the session, less what the
+    session installs at versions of its own: DeepSpeed, torch and ``own`` (``numpy<2`` beside an older torch). A
+    session that installs several releases calls it again before each."""
+    with open(pin.CONSTRAINTS) as f:
+        text = pin.without(f.read(), ("deepspeed", "torch", *own))
+    path = os.path.join(session.virtualenv.location, "constraints.txt")
+    with open(path, "w") as f:
+        f.write(text)
+    session.env["PIP_CONSTRAINT"] = path
+
+
 def _install_torch(session: nox.Session, *specs: str) -> None:
     """torch first (a bare DeepSpeed install would pull the newest CUDA build of torch), from ``$TORCH_INDEX_URL``
-    when it is set (``https://download.pytorch.org/whl/cpu`` for the CPU build on an ordinary machine)."""
+    when it is set (``https://download.pytorch.org/whl/cpu`` for the CPU build on an ordinary machine). Every later
+    install of the session is constrained to the pinned test environment (:func:`_constrain`)."""
+    _constrain(session, *specs)
     index = os.environ.get("TORCH_INDEX_URL")
     torch = [spec for spec in specs if spec.startswith("torch")]
     session.install(*torch, *(["--index-url", index] if index else []))
@@ -117,7 +132,15 @@ def _install(session: nox.Session, version: str) -> None:
     # sybil: the checkout's conftest.py imports it (the documents run as tests), so pytest needs it for any path.
     session.install(f"deepspeed=={version}", "pytest", "packaging", "sybil")
     session.install("--no-deps", "--force-reinstall", ROOT)
+    _verify_pins(session)
     _build_ops(session, version)
+
+
+def _verify_pins(session: nox.Session) -> None:
+    """Fail the session if what it installed differs from the pins it installed with (a virtualenv reused from
+    before the pins changed keeps its old versions: ``nox -R`` is not enough then, ``rm -r .nox`` is)."""
+    session.run("python", os.path.join(ROOT, "ci", "pin.py"), "--verify", "--constraints",
+                session.env["PIP_CONSTRAINT"])
 
 
 def _build_ops(session: nox.Session, label: str) -> None:
@@ -644,9 +667,9 @@ def sources(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/release/test_sources.py")
 
 
-# The training stacks of tests/stacks, at the versions tests/stacks was measured with (transformers 5.25.0 needs
-# kernels>=0.19.1, which the registry does not serve: 5.23.0 is the newest that installs).
-STACK_LIBRARIES = ("transformers==5.23.0", "accelerate==1.16.0", "lightning==2.6.6")
+# The training stacks of tests/stacks, at the versions ci/constraints.txt pins (ci/pin.py says why transformers is
+# held back).
+STACK_LIBRARIES = ("transformers", "accelerate", "lightning")
 
 
 @nox.session
@@ -669,6 +692,7 @@ def _stacks(session: nox.Session, deepspeed: str, routes: tuple = ("launcher", "
     left_out = [route for route in ("launcher", "import") if route not in routes]
     select = ["-k", " and ".join(f"not {route}" for route in left_out)] if left_out else []
     session.install(*STACK_LIBRARIES)
+    _verify_pins(session)
     session.chdir(ROOT)
     measured = os.path.join(ROOT, "reports", "stacks", f"measured-{deepspeed}.json")  # what tests/stacks writes
     if os.path.exists(measured):

@@ -55,8 +55,11 @@ done
 TWINE_REPOSITORY_URL="$URL/" TWINE_USERNAME=rehearsal TWINE_PASSWORD=rehearsal TWINE_NON_INTERACTIVE=1 \
     python -m twine upload dist/*
 python3 -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-"$WORK/venv/bin/python" -m pip install --quiet --extra-index-url "$URL/simple/" --report "$WORK/install.json" \
+# The pinned test environment (ci/constraints.txt): the DeepSpeed the transcripts below were written for.
+"$WORK/venv/bin/python" -m pip install --quiet -c "$ROOT/ci/constraints.txt" "torch==2.13.0" \
+    ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+"$WORK/venv/bin/python" -m pip install --quiet -c "$ROOT/ci/constraints.txt" --extra-index-url "$URL/simple/" \
+    --report "$WORK/install.json" \
     "deepspeed-offload-patch==$VERSION"
 python - "$WORK/install.json" "$URL" << 'PY'
 import json, sys

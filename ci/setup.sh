@@ -12,8 +12,12 @@ VENV=${VENV:-.venv}
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-python -m pip install --quiet -e ".[dev]"
+# ci/constraints.txt pins every version the tests install (ci/pin.py writes it): a release published upstream changes
+# nothing here until the file is updated on purpose (ci/README.md, "The pinned test environment").
+python -m pip install --quiet -c ci/constraints.txt "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+python -m pip install --quiet -c ci/constraints.txt -e ".[dev]"
+# A venv made before the pins changed keeps its old versions: say so, and which, rather than test with them.
+python ci/pin.py --verify || { echo "ci/setup.sh: $VENV differs from ci/constraints.txt: remove $VENV and run again"; exit 1; }
 # DeepSpeed JIT-builds ops into here; keep them out of the home directory of a shared machine.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 # DeepSpeed's CPU shm comm op, built now in this one process: no multi-rank job is then the first to need it (two

@@ -22,6 +22,7 @@ from unit.common import run_command
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SDISTS = os.environ.get("DS_OFFLOAD_PATCH_SDISTS", os.path.expanduser("~/.cache/ds-offload-patch/sdists"))
 SHIPPED = os.path.join(ROOT, "deepspeed_offload_patch", "fingerprints.py")
+CONSTRAINTS = os.path.join(ROOT, "ci", "constraints.txt")  # the pinned test environment (ci/pin.py)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 
 from pythons import SUPPORTED, find  # noqa: E402
@@ -39,10 +40,11 @@ def _interpreter(version: str) -> str:
 def _tools_for(python: str, folder) -> dict:
     """An environment in which ``python`` (a bare interpreter) imports the generator's two dependencies."""
     site = folder / "site"
-    done = subprocess.run([python, "-m", "pip", "install", "--quiet", "--target",
-                           str(site), "packaging", "yapf"],
-                          capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "-c", CONSTRAINTS, "--target",
+         str(site), "packaging", "yapf"],
+        capture_output=True,
+        text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return dict(os.environ, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
 
