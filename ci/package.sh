@@ -41,7 +41,7 @@ PY
 
 # The rehearsal: upload to a local index, then install by name from it.
 mkdir "$WORK/index"
-PORT=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+PORT=$(python -c "from deepspeed_offload_patch.testing.launch import free_port; print(free_port())")
 URL="http://127.0.0.1:$PORT"
 python -m pypiserver run --interface 127.0.0.1 --port "$PORT" --authenticate . --passwords . --log-stream none \
     "$WORK/index" &
