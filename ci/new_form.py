@@ -30,6 +30,7 @@ from gen_fingerprints import method_sources, read_target  # noqa: E402
 from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
 from deepspeed_offload_patch import guard  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES  # noqa: E402
 from deepspeed_offload_patch.fingerprints import UNFIXED  # noqa: E402
 
 KNOWN = ("patchable", "fixed", "ours")
@@ -54,11 +55,11 @@ def main() -> int:
     cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
     print(f"DeepSpeed {deepspeed.__version__}")
     new = 0
-    for name in guard.ALL_METHODS:
+    for change, name in [(change, name) for change in CHANGES for name in change.method_names]:
         if name not in cls.__dict__:
             print(f"{name}: not defined here")
             continue
-        finding, _ = guard.classify_method(cls, name)
+        finding, _ = guard.classify_method(cls, name, change)
         digest = guard.fingerprint(cls.__dict__[name])
         known = UNFIXED.get(name, {}).get(digest)
         print(f"{name}: {finding}, fingerprint {digest}" +

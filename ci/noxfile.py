@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 from deepspeed_offload_patch import settings  # noqa: E402
-from deepspeed_offload_patch.guard import SKIPPED_STEP  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES, by_name  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
 import pin  # noqa: E402
@@ -76,6 +76,7 @@ VARIANTS = {
     "fixed-differently": ("0.20.0", "fixed-differently", State.UPSTREAM_FIXED),
     "0.20.0.dev0": ("0.20.0.dev0", None, State.APPLIED),
 }
+SKIPPED_STEP = by_name("skipped-step")
 # The skipped-step fix's state each must report (its step() and reset_cpu_buffers are 0.19.8's but in
 # fixed-differently, whose step() drops the compact buffers itself).
 VARIANT_SKIPPED_STEP = {"fixed-differently": State.UPSTREAM_FIXED}
@@ -469,9 +470,9 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
     backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
     shutil.copy(path, backup)
     try:
-        options = [([], "fix"), (["--grad-norm"], "grad-norm")]
-        if Version(deepspeed) >= Version("0.19.8"):
-            options.append((["--skipped-step"], "skipped-step"))
+        # Each change's diff for this release (diff's default is the upstream change's).
+        options = [([] if change.upstream else [f"--{change.name}"], change.name) for change in CHANGES
+                   if change.form_of(deepspeed) is not None]
         for option, name in options:
             diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", *option, silent=True, stderr=None)
             diff_file = os.path.join(REPORTS, f"{deepspeed}-{name}.diff")
@@ -487,7 +488,7 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
                         diff_file,
                         external=True)
         disabled = {settings.DISABLE: "1", settings.STRICT: "0"}
-        enabled = {settings.DISABLE: "0", settings.STRICT: "0", settings.GRAD_NORM: "1"}
+        enabled = {settings.DISABLE: "0", settings.STRICT: "0", **{c.switch: "1" for c in CHANGES if c.switch}}
         status = _status(session, env=enabled)
         grad_norm_expected = State.UPSTREAM_FIXED
         return {
@@ -657,7 +658,8 @@ def sdists(session: nox.Session) -> None:
 
 @nox.session
 def sources(session: nox.Session) -> None:
-    """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache)."""
+    """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache), and
+    ``status``, ``check`` and ``diff`` print on every release what ``tests/release/cli_golden`` recorded."""
     _install_torch(session, "torch==2.13.0")
     session.install("deepspeed==0.19.8", "packaging", "yapf==0.43.0", "wheel")
     session.install("pytest")
@@ -665,6 +667,7 @@ def sources(session: nox.Session) -> None:
     session.chdir(ROOT)
     session.run("python", os.path.join(ROOT, "ci", "sdists.py"))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/release/test_sources.py")
+    session.run("python", os.path.join(ROOT, "ci", "cli_golden.py"), "--check")
 
 
 # The training stacks of tests/stacks, at the versions ci/constraints.txt pins (ci/pin.py says why transformers is

@@ -123,7 +123,7 @@ def test_each_side_runs_the_code_it_claims(sides):
         assert rank["state"] == "disabled", rank["state"]
         assert set(rank["methods"].values()) == {"deepspeed.runtime.zero.stage_1_and_2"}, rank["methods"]
     if sides[PATCHED][0]["state"] == "applied":
-        assert set(sides[PATCHED][0]["methods"].values()) == {"deepspeed_offload_patch.overflow"}
+        assert set(sides[PATCHED][0]["methods"].values()) == {"deepspeed_offload_patch.changes.overflow_flag.methods"}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)

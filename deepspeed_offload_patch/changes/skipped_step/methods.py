@@ -25,7 +25,3 @@ def reset_cpu_buffers(self):
         for group_idx in list(self.averaged_gradients):
             if self._use_compact_grad_partition_buffer(group_idx):
                 self.averaged_gradients[group_idx] = None
-
-
-#: See :data:`deepspeed_offload_patch.overflow.REPLACEMENTS`.
-REPLACEMENTS = {"reset_cpu_buffers": ((">=0.19.8", reset_cpu_buffers), )}

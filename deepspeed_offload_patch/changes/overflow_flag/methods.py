@@ -121,16 +121,7 @@ def has_overflow_serial_if_not_partitioned(self, partition_gradients=True):
     return bool(overflow)
 
 
-#: For each ``DeepSpeedZeroOptimizer`` method, its replacements with the releases whose form of the method each one
-#: replaces. The guard picks the one whose range holds every release that ships the original it found.
-REPLACEMENTS = {
-    "update_offload_overflow_tracker": ((">=0.17.1", update_offload_overflow_tracker), ),
-    "update_overflow_tracker_for_param_grad": ((">=0.14.0,<0.17.1", update_overflow_tracker_for_param_grad), ),
-    "has_overflow": ((">=0.14.0,<0.17.1", has_overflow_serial_if_not_partitioned),
-                     (">=0.17.1,<0.18", has_overflow_dp_if_partitioned), (">=0.18.0", has_overflow)),
-}
-
-# Imported last: importing DeepSpeed from here may run the patch hook, which needs REPLACEMENTS above. The functions
-# look these names up when they are called, as DeepSpeed's own methods do.
+# Imported last: importing DeepSpeed from here may run the patch hook, which reads the functions above. They look
+# these names up when they are called, as DeepSpeed's own methods do.
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402

@@ -87,13 +87,7 @@ def complete_grad_norm_returning_a_number(self, params):
     return total_norm
 
 
-#: See :data:`deepspeed_offload_patch.overflow.REPLACEMENTS`.
-REPLACEMENTS = {
-    "complete_grad_norm_calculation_for_cpu_offload": ((">=0.17.1", complete_grad_norm_calculation_for_cpu_offload),
-                                                       (">=0.14.0,<0.17.1", complete_grad_norm_returning_a_number)),
-}
-
-# Imported last, as in overflow.py: importing DeepSpeed may run the patch hook, which needs REPLACEMENTS.
+# Imported last, as in the overflow flag fix's methods: importing DeepSpeed may run the patch hook.
 from deepspeed import comm as dist  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.runtime.utils import is_model_parallel_parameter  # noqa: E402
