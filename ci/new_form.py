@@ -5,7 +5,7 @@
 Run in an environment where that DeepSpeed is installed. For each method a patch set replaces, it prints the guard's
 finding, the method's fingerprint and, for a form the package does not know, the known release whose method is
 closest (by text, from the sdists' cache: ``ci/sdists.py``) with a unified diff from it. That diff is what a new
-replacement in ``deepspeed_offload_patch/overflow.py`` (or ``grad_norm.py``) has to answer.
+replacement in the change's ``methods.py`` (``deepspeed_offload_patch/changes/<name>/``) has to answer.
 
     python ci/new_form.py [--sdists CACHE]
 """
