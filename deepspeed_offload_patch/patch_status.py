@@ -22,9 +22,10 @@ class PatchStatus:
     (DeepSpeed's ZeRO module is not imported yet; the patch applies when it is), upstream-fixed, unsupported,
     conflict, disabled, deepspeed-missing, reverted or not-applied (before the package's import has run). ``methods``
     maps each examined method to the guard's finding (see :mod:`deepspeed_offload_patch.guard`). ``changes`` holds
-    each other change's ``(state, reason)`` by name (:data:`deepspeed_offload_patch.changes.OTHERS`): off (its switch
-    left it out, or nothing was decided yet), applied, not-needed (the DeepSpeed has no such defect),
-    upstream-fixed, unsupported, conflict or reverted; they are decided with the upstream change. Each is also read
+    each other change's ``(state, reason)`` by name (:data:`deepspeed_offload_patch.changes.OTHERS`), decided with the
+    upstream change: off (its switch left it out), applied, not-needed (the DeepSpeed has no such defect),
+    upstream-fixed, unsupported, conflict or reverted. Until they are decided, :meth:`of` gives the upstream
+    change's state. Each is also read
     as the attributes named by its record's keys in ``status --json`` (``state_key``, ``reason_key``).
     """
 
@@ -35,10 +36,12 @@ class PatchStatus:
     changes: Dict[str, Tuple[State, str]] = field(default_factory=dict)
 
     def of(self, change: Change) -> Tuple[State, str]:
-        """``(state, reason)`` of ``change``; ``(off, "")`` for one not decided in this process."""
+        """``(state, reason)`` of ``change``. A change not decided on in this process shares the upstream change's
+        state (pending, disabled, deepspeed-missing, not-applied: whatever kept the patch from deciding), with no
+        reason of its own; ``off`` is only ever its switch's doing."""
         if change.upstream:
             return self.state, self.reason
-        return self.changes.get(change.name, (State.OFF, ""))
+        return self.changes.get(change.name, (self.state, ""))
 
     def as_dict(self) -> dict:
         """The status as ``status --json`` writes it: each change's state and reason under its record's keys."""
