@@ -116,7 +116,8 @@ class Change:
     def form_of(self, release: str) -> Optional[Form]:
         """The form release ``release`` has; None for a release outside every form's range."""
         from packaging.specifiers import SpecifierSet
-        return next((form for form in self.forms if SpecifierSet(form.releases).contains(release)), None)
+        return next((form for form in self.forms if SpecifierSet(form.releases).contains(release, prereleases=True)),
+                    None)
 
     def form_for(self, cls: type) -> Form:
         """The form that goes with ``cls``: the one whose tracker ``cls`` defines (the newest when it defines none,
