@@ -18,7 +18,7 @@ import torch
 
 
 def complete_grad_norm_calculation_for_cpu_offload(self, params):
-    # The form of DeepSpeed 0.17.1 to 0.19.8.
+    # The form that returns the norm as a float32 tensor.
     total_norm = torch.zeros((), dtype=torch.float64, device=get_accelerator().current_device_name())
     norm_type = 2.0
     for p in params:
@@ -54,7 +54,7 @@ def complete_grad_norm_calculation_for_cpu_offload(self, params):
 # The loop repeats the one above on purpose: each replacement becomes DeepSpeed's own method in patches/, where a
 # helper of this module would not exist (ci/make_patches.py checks that a patched method reads only its module's names).
 def complete_grad_norm_returning_a_number(self, params):
-    # The form of DeepSpeed 0.14.0 to 0.17.0: the same sum, but the norm goes back as a Python number.
+    # The form that returns the norm as a Python number: the same sum, the same all-reduce.
     total_norm = torch.zeros((), dtype=torch.float64, device=get_accelerator().current_device_name())
     norm_type = 2.0
     for p in params:

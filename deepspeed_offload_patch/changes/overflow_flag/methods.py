@@ -28,7 +28,7 @@ def update_offload_overflow_tracker(self, grad):
     if not torch.is_tensor(found):
         # An override that already answers on the host; keep the flag a tensor all the same.
         found = torch.tensor(bool(found))
-    # Both result shapes (fp32 0/1 before 0.19.7, bool after) give a bool flag. It lives on the accelerator, so a
+    # Both result shapes (fp32 0/1 in older releases, bool in newer) give a bool flag. It lives on the accelerator, so a
     # result from another device (a CPU value given to safe_set_full_grad) can be ORed into it.
     found = found.to(device=get_accelerator().current_device_name(), dtype=torch.bool)
     flag = getattr(self, "local_overflow", False)
@@ -37,7 +37,7 @@ def update_offload_overflow_tracker(self, grad):
 
 
 def update_overflow_tracker_for_param_grad(self, param):
-    # The form of DeepSpeed 0.14.0 to 0.17.0, where step() reads the flag in fp16 only (through check_overflow).
+    # The form that takes the parameter, where step() reads the flag in fp16 only (through check_overflow).
     # An optimizer built via __new__ without a dtype checks, as an fp16 one would.
     if getattr(self, "dtype", torch.float16) != torch.float16:
         return
@@ -54,7 +54,7 @@ def update_overflow_tracker_for_param_grad(self, param):
 
 
 def has_overflow(self, partition_gradients=True):
-    # The form of DeepSpeed 0.18.0 and later.
+    # The form that all-reduces the flag over the data parallel group whatever partition_gradients says.
     if self.cpu_offload:
         flag = self.local_overflow
         if torch.is_tensor(flag):
@@ -76,7 +76,7 @@ def has_overflow(self, partition_gradients=True):
 
 
 def has_overflow_dp_if_partitioned(self, partition_gradients=True):
-    # The form of DeepSpeed 0.17.1 to 0.17.6, which all-reduces over data parallel ranks only when gradients are
+    # The form that all-reduces over data parallel ranks only when gradients are
     # partitioned. Kept as it was: the patch changes where the flag lives, nothing else.
     if self.cpu_offload:
         flag = self.local_overflow
@@ -98,7 +98,7 @@ def has_overflow_dp_if_partitioned(self, partition_gradients=True):
 
 
 def has_overflow_serial_if_not_partitioned(self, partition_gradients=True):
-    # The form of DeepSpeed 0.14.0 to 0.17.0: the offload flag counts only with partition_gradients (step() passes
+    # The form whose offload flag counts only with partition_gradients (step() passes
     # the default, True); otherwise the bit16 parameters' gradients are checked. Kept as it was.
     if partition_gradients:
         if self.cpu_offload:

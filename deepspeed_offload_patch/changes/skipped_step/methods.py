@@ -16,7 +16,7 @@ Not part of DeepSpeed pull request 8963 (``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1`` le
 
 
 def reset_cpu_buffers(self):
-    # The form of DeepSpeed 0.19.8.
+    # DeepSpeed's own reset, and after a skipped step the compact buffers dropped too.
     self._wait_for_offload_copies()
     self.norm_for_param_grads = {}
     self.local_overflow = False
