@@ -6,8 +6,8 @@ For each release, DeepSpeed's own source (its sdist, from ``ci/sdists.py``'s cac
 ``PYTHONPATH`` of a fresh interpreter, with this checkout's package and the environment's torch; that interpreter runs
 each command through ``cli.main`` and records its stdout, the lines the command itself writes to stderr (``diff``'s
 file name and errors) and its exit code. Each release runs with the default switches; the releases in
-:data:`SWITCHED` also run under each switch of :data:`SCENARIOS`. The Python version and the extraction folder are
-written as ``<python>`` and ``<src>``: everything else is byte for byte.
+:data:`SWITCHED` also run under each switch of :data:`SCENARIOS`. The Python version, the environment's prefix and the
+extraction folder are written as ``<python>``, ``<prefix>`` and ``<src>``: everything else is byte for byte.
 
 The record is ``tests/release/cli_golden/<release>.txt``: a restructure of the package must leave it unchanged unless a
 wording changes on purpose (then ``--write`` and the diff in the same commit).
@@ -119,7 +119,8 @@ def record(release: str, cache: str, scratch: str, switched: Tuple[str, ...] = S
             parts.append(result["stdout"])
             parts.extend(f"stderr: {line}\n" for line in result["stderr"])
     text = "".join(parts)
-    return text.replace(src, "<src>").replace(platform.python_version(), "<python>")
+    # Paths and the interpreter's version are the machine's, not the package's: a failing import names them.
+    return text.replace(src, "<src>").replace(sys.prefix, "<prefix>").replace(platform.python_version(), "<python>")
 
 
 def _default_only(text: str) -> str:
