@@ -105,11 +105,12 @@ def record(release: str, cache: str, scratch: str, switched: Tuple[str, ...] = S
         env = {k: v for k, v in os.environ.items() if not k.startswith("DS_OFFLOAD_PATCH_") or k.endswith("SDISTS")}
         env.update(switches, PYTHONPATH=os.pathsep.join([src, ROOT]), PYTHONHASHSEED="0")
         commands = COMMANDS + (DIFFS if name == "default" else ())
-        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps([list(c) for c in commands])],
-                              cwd=scratch,
-                              env=env,
-                              capture_output=True,
-                              text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps([list(c) for c in commands])],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True)
         _, marker, payload = proc.stdout.rpartition("\n@@RESULTS@@")
         if proc.returncode != 0 or not marker:
             raise RuntimeError(f"{release} ({name}): the commands did not run (exit {proc.returncode}):\n"

@@ -115,7 +115,11 @@ def main() -> int:
                         help="the recorded table to check or write (default: the package's)")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
-    fingerprints, own = table(args.sdists, PATCHED_RELEASES), {k: v for c in CHANGES for k, v in own_digests(c).items()}
+    fingerprints, own = table(args.sdists, PATCHED_RELEASES), {
+        k: v
+        for c in CHANGES
+        for k, v in own_digests(c).items()
+    }
     if args.check:
         recorded = runpy.run_path(args.table)
         if (recorded.get("UNFIXED"), recorded.get("OWN")) != (fingerprints, own):

@@ -108,7 +108,8 @@ def methods_equal_replacements(original: str, patched_source: str, change, versi
     chosen = {name: guard.fingerprint(func) for name, func in replacements_for(original, change, version).items()}
     found = {
         name: guard.fingerprint_source(text)
-        for name, text in method_sources(patched_source, change.form_of(version).methods).items()
+        for name, text in method_sources(patched_source,
+                                         change.form_of(version).methods).items()
     }
     return found == chosen
 
@@ -197,8 +198,9 @@ def table(index: dict, prefix: str) -> str:
     groups = {}
     for version, name in index.items():
         groups.setdefault(name, []).append(version)
-    rows = "\n".join(f"| [`{prefix}{name}`]({prefix}{name}) | " + (
-        f"{versions[0]} (1 release) |" if len(versions) == 1 else f"{versions[0]} – {versions[-1]} ({len(versions)} releases) |")
+    rows = "\n".join(f"| [`{prefix}{name}`]({prefix}{name}) | " +
+                     (f"{versions[0]} (1 release) |" if len(versions) ==
+                      1 else f"{versions[0]} – {versions[-1]} ({len(versions)} releases) |")
                      for name, versions in groups.items())
     return f"| diff | DeepSpeed releases |\n| --- | --- |\n{rows}"
 
@@ -207,8 +209,9 @@ def readme(indexes: dict) -> str:
     """``indexes``: each change's index (release -> diff), by change name."""
     sections = []
     for change in CHANGES:
-        switch = ("" if change.upstream else
-                  f"; on by default, `{change.switch}=0` leaves it out, and it applies with or without the other diffs")
+        switch = (
+            "" if change.upstream else
+            f"; on by default, `{change.switch}=0` leaves it out, and it applies with or without the other diffs")
         sections.append(f"### `{change.name}/`: {change.title}\n\n{_forms_text(change)}{switch}: {change.about}\n\n"
                         f"{table(indexes[change.name], change.name + '/')}")
     body = "\n\n".join(sections)

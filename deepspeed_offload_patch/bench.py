@@ -42,8 +42,15 @@ import torch
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.changes import by_name
 # The rendering of the results, re-exported here (bench.render_table, bench.render_cuda_table).
-from deepspeed_offload_patch.bench_report import (GRAD_ACCUM, GRAD_NORM, _growing_whole_steps,  # noqa: F401
-                                                  _write_readme, plot, render_cuda_table, render_readme, render_table)
+from deepspeed_offload_patch.bench_report import (
+    GRAD_ACCUM,
+    GRAD_NORM,
+    _growing_whole_steps,  # noqa: F401
+    _write_readme,
+    plot,
+    render_cuda_table,
+    render_readme,
+    render_table)
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
@@ -207,7 +214,11 @@ def _rank_job(configs: List[tuple], warmup: int, steps: int) -> List[Dict[str, A
     rows = []
     for stage, mode, num_tensors in configs:
         row = _measure(stage, mode, num_tensors, warmup, steps)
-        row.update(stage=stage, mode=mode, n=num_tensors, state=state.state, grad_norm=state.of(by_name("grad-norm"))[0])
+        row.update(stage=stage,
+                   mode=mode,
+                   n=num_tensors,
+                   state=state.state,
+                   grad_norm=state.of(by_name("grad-norm"))[0])
         rows.append(row)
     return rows
 

@@ -66,8 +66,10 @@ CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
 _SWITCHES = {
     settings.DISABLE: "0",
     settings.STRICT: "0",
-    **{change.switch: "1"
-       for change in OTHERS},
+    **{
+        change.switch: "1"
+        for change in OTHERS
+    },
     settings.UPSTREAM_ONLY: "0",
     COMPACT_BUFFER: "1",
     CLEAR_AFTER_SKIP: "0",

@@ -23,8 +23,8 @@ ONE_OF_EACH_FORM = ("0.14.0", "0.16.9", "0.17.1", "0.19.6", "0.19.8")
 
 
 def golden(*args):
-    result = run_command([sys.executable, os.path.join(ROOT, "ci", "cli_golden.py"), "--sdists", SDISTS, *args],
-                         cwd=ROOT)
+    result = run_command(
+        [sys.executable, os.path.join(ROOT, "ci", "cli_golden.py"), "--sdists", SDISTS, *args], cwd=ROOT)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -38,8 +38,8 @@ def test_a_changed_word_fails_the_comparison(tmp_path):
     record = open(os.path.join(GOLDEN, "0.19.7.txt")).read()
     assert "on-device grad norm: applied" in record
     shutil.copytree(GOLDEN, tmp_path / "golden")
-    (tmp_path / "golden" / "0.19.7.txt").write_text(record.replace("on-device grad norm: applied",
-                                                                   "on-device gradient norm: applied"))
+    (tmp_path / "golden" / "0.19.7.txt").write_text(
+        record.replace("on-device grad norm: applied", "on-device gradient norm: applied"))
     code, output = golden("--check", "--golden", str(tmp_path / "golden"), "0.19.7")
     assert code == 1 and "0.19.7: DIFFERS" in output, output
     assert "-on-device gradient norm: applied" in output and "+on-device grad norm: applied" in output, output

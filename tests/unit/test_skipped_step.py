@@ -108,7 +108,7 @@ def test_deepspeed_0_19_8_is_patched_and_the_probe_agrees():
     assert "keeps the skipped step's inf/NaN" in probe_skipped_step(cls)
     assert probe_skipped_step(_class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers)) is None
     assert SKIPPED_STEP.decide(SKIPPED_STEP, _class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers),
-                                      deepspeed.__version__).state == "applied"  # ours already
+                               deepspeed.__version__).state == "applied"  # ours already
 
 
 def test_without_a_compact_buffer_it_is_not_needed(tmp_path):
