@@ -41,16 +41,9 @@ import torch
 
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.changes import by_name
-# The rendering of the results, re-exported here (bench.render_table, bench.render_cuda_table).
-from deepspeed_offload_patch.bench_report import (
-    GRAD_ACCUM,
-    GRAD_NORM,
-    _growing_whole_steps,  # noqa: F401
-    _write_readme,
-    plot,
-    render_cuda_table,
-    render_readme,
-    render_table)
+# The rendering of the results; render_table and render_cuda_table re-exported here (bench.render_table).
+from deepspeed_offload_patch.bench_report import GRAD_ACCUM, GRAD_NORM, _growing_whole_steps, _write_readme, plot
+from deepspeed_offload_patch.bench_report import render_cuda_table, render_readme, render_table  # noqa: F401
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
