@@ -131,10 +131,10 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
 
 @pytest.mark.parametrize(
     "switch, state, after_apply, norm, means",
-    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "off", "treating it as 1, which leaves DeepSpeed"),
+    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "disabled", "treating it as 1, which leaves DeepSpeed"),
      ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "off", "treating it as 0, so the on-device grad norm "
       "is left out"),
-     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "off", "treating it as 0, so importing the "
+     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "not-applied", "treating it as 0, so importing the "
       "package patches nothing"),
      ("DS_OFFLOAD_PATCH_STRICT", "applied", "applied", "applied", "treating it as 0, not strict")])
 def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, after_apply, norm, means):
