@@ -31,7 +31,8 @@ os.environ[runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "setting
 
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from deepspeed_offload_patch.guard import ALL_METHODS, PATCH_SETS, fingerprint_source, own_digests  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES, all_methods  # noqa: E402
+from deepspeed_offload_patch.guard import fingerprint_source, own_digests  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from sdists import DEFAULT_CACHE, prefetch, sdist_path  # noqa: E402
 
@@ -65,7 +66,7 @@ def _class_node(source: str, class_name: str) -> ast.ClassDef:
     return next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
 
 
-def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZeroOptimizer") -> dict:
+def method_sources(source: str, names=all_methods(), class_name: str = "DeepSpeedZeroOptimizer") -> dict:
     """The source text of each method of ``names`` in ``class_name``, as ``inspect.getsource`` would give it."""
     lines = source.splitlines(keepends=True)
     cls = _class_node(source, class_name)
@@ -78,14 +79,14 @@ def method_sources(source: str, names=ALL_METHODS, class_name: str = "DeepSpeedZ
 
 
 def table(sdists: str, versions) -> dict:
-    """Each method's forms: for every patch set, the methods of each release in the set's range."""
-    result = {name: {} for name in ALL_METHODS}
+    """Each method's forms: for every change, the methods of each release in the range of one of its forms."""
+    result = {name: {} for name in all_methods()}
     prefetch(sdists, versions)
     for version in versions:
         sources = method_sources(read_target(sdist_path(sdists, version), version))
         names = [
-            name for patch_set in PATCH_SETS if SpecifierSet(patch_set.releases).contains(version)
-            for name in patch_set.methods + patch_set.witnesses
+            name for change in CHANGES for form in change.forms if SpecifierSet(form.releases).contains(version)
+            for name in form.methods + form.witnesses
         ]
         for name in dict.fromkeys(names):
             digest = fingerprint_source(sources[name])
@@ -94,7 +95,7 @@ def table(sdists: str, versions) -> dict:
 
 
 OWN_COMMENT = (
-    "\n#: The digests of the package's own replacements (``module.function``): an interpreter that digests them "
+    "\n#: The digests of the package's own replacements (``change.function``): an interpreter that digests them "
     "otherwise\n#: reads all code differently, and the guard says so instead of blaming DeepSpeed.\n")
 
 
@@ -114,7 +115,11 @@ def main() -> int:
                         help="the recorded table to check or write (default: the package's)")
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
-    fingerprints, own = table(args.sdists, PATCHED_RELEASES), own_digests()
+    fingerprints, own = table(args.sdists, PATCHED_RELEASES), {
+        k: v
+        for c in CHANGES
+        for k, v in own_digests(c).items()
+    }
     if args.check:
         recorded = runpy.run_path(args.table)
         if (recorded.get("UNFIXED"), recorded.get("OWN")) != (fingerprints, own):

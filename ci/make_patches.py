@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write ``patches/``: the change as unified diffs of ``deepspeed/runtime/zero/stage_1_and_2.py``, one per form.
 
-For each patch set (the fix in ``patches/``, the grad norm in ``patches/grad-norm-on-device/``, the skipped-step
-fix in ``patches/skipped-step-buffer/``) and each supported release, it replaces the set's methods in the release's
-own file (from its sdist) with this package's replacements for that form, and diffs. Consecutive releases share a diff when the first one's diff
+For each change of ``deepspeed_offload_patch.changes`` (in ``patches/<its name>/``) and each supported release of its
+forms, it replaces the change's methods in the release's own file (from its sdist) with this package's replacements
+for that form, and diffs. Consecutive releases share a diff when the first one's diff
 applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
 (release -> diff) and ``README.md``. ``--check`` writes nothing and exits 1 when ``patches/`` differs from what the
 sources give, when a diff does not apply to one of its releases, when a patched file's methods are not equal
@@ -31,22 +31,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 
-from packaging.specifiers import SpecifierSet  # noqa: E402
 from packaging.version import Version  # noqa: E402
 
 from gen_fingerprints import TARGET, method_sources, read_target  # noqa: E402
-from deepspeed_offload_patch import guard, settings  # noqa: E402
+from deepspeed_offload_patch import guard  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES, UPSTREAM  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
 PATCHES = os.path.join(ROOT, "patches")
 
 
-def replacements_for(source: str, patch_set) -> dict:
-    """The replacement for each of ``patch_set``'s methods in ``source``'s ``DeepSpeedZeroOptimizer``, by form."""
+def replacements_for(source: str, change, version: str) -> dict:
+    """The replacement for each of ``change``'s methods in ``source``'s ``DeepSpeedZeroOptimizer`` (release
+    ``version``), by form."""
     chosen = {}
-    for name, text in method_sources(source, patch_set.methods).items():
-        func = guard.replacement_for(name, guard.fingerprint_source(text))
+    for name, text in method_sources(source, change.form_of(version).methods).items():
+        func = guard.replacement_for(change, name, guard.fingerprint_source(text))
         if func is None:
             raise SystemExit(f"{name}: a form with no replacement; regenerate the fingerprints first")
         chosen[name] = func
@@ -72,9 +73,9 @@ def replace_methods(source: str, texts: dict) -> str:
     return "".join(lines)
 
 
-def patched(source: str, patch_set) -> str:
-    """``source`` (a release's ``stage_1_and_2.py``) with ``patch_set``'s methods replaced."""
-    chosen = replacements_for(source, patch_set)
+def patched(source: str, change, version: str) -> str:
+    """``source`` (release ``version``'s ``stage_1_and_2.py``) with ``change``'s methods replaced."""
+    chosen = replacements_for(source, change, version)
     return replace_methods(source, {name: method_text(name, func) for name, func in chosen.items()})
 
 
@@ -102,12 +103,13 @@ def git_apply(diff: str, source: str):
             return f.read()
 
 
-def methods_equal_replacements(original: str, patched_source: str, patch_set) -> bool:
+def methods_equal_replacements(original: str, patched_source: str, change, version: str) -> bool:
     """The patched file's methods equal (AST, names aside) the package's replacements for the original's form."""
-    chosen = {name: guard.fingerprint(func) for name, func in replacements_for(original, patch_set).items()}
+    chosen = {name: guard.fingerprint(func) for name, func in replacements_for(original, change, version).items()}
     found = {
         name: guard.fingerprint_source(text)
-        for name, text in method_sources(patched_source, patch_set.methods).items()
+        for name, text in method_sources(patched_source,
+                                         change.form_of(version).methods).items()
     }
     return found == chosen
 
@@ -152,12 +154,12 @@ def unresolved_globals(patched_source: str, methods) -> dict:
     return found
 
 
-def build(sdists: str, patch_set):
-    """The diffs (file name -> text) and the index (release -> file name) of ``patch_set``."""
+def build(sdists: str, change):
+    """The diffs (file name -> text) and the index (release -> file name) of ``change``."""
     diffs, index, current = {}, {}, None
-    for version in releases_of(patch_set):
+    for version in releases_of(change):
         source = read_target(sdist_path(sdists, version), version)
-        after = patched(source, patch_set)
+        after = patched(source, change, version)
         if current is not None and git_apply(diffs[current], source) == after:
             index[version] = current
             continue
@@ -171,67 +173,67 @@ def build(sdists: str, patch_set):
     return {names[f]: text for f, text in diffs.items()}, {v: names[f] for v, f in index.items()}
 
 
-def _prefix(root: str, where: str) -> str:
-    """How README.md links into ``where``: "" for the root, ``name/`` for a subfolder."""
-    relative = os.path.relpath(where, root)
-    return "" if relative == "." else f"{relative}/"
+def releases_of(change) -> list:
+    """The supported releases that have one of ``change``'s forms."""
+    return [v for v in PATCHED_RELEASES if change.form_of(v) is not None]
 
 
-def releases_of(patch_set) -> list:
-    """The supported releases whose methods have ``patch_set``'s names."""
-    return [v for v in PATCHED_RELEASES if SpecifierSet(patch_set.releases).contains(v)]
+def _forms_text(change) -> str:
+    """```a` and `b` in 0.17.1 – 0.19.8; ...``: the methods of each form and their releases, newest first (forms
+    with the same methods, which differ in their code, read as one range)."""
+    releases = {}
+    for version in PATCHED_RELEASES:
+        form = change.form_of(version)
+        if form is not None:
+            releases.setdefault(form.methods, []).append(version)
+    parts = []
+    for methods, versions in reversed(list(releases.items())):
+        span = versions[0] if len(versions) == 1 else f"{versions[0]} – {versions[-1]}"
+        parts.append(f"{' and '.join(f'`{name}`' for name in methods)} in {span}")
+    return "; ".join(parts)
 
 
-def folder(root: str, patch_set) -> str:
-    return root if patch_set in guard.FIX_FORMS else os.path.join(root, patch_set.name)
+def table(index: dict, prefix: str) -> str:
+    """The diffs of one folder and their releases, as a Markdown table."""
+    groups = {}
+    for version, name in index.items():
+        groups.setdefault(name, []).append(version)
+    rows = "\n".join(f"| [`{prefix}{name}`]({prefix}{name}) | " +
+                     (f"{versions[0]} (1 release) |" if len(versions) ==
+                      1 else f"{versions[0]} – {versions[-1]} ({len(versions)} releases) |")
+                     for name, versions in groups.items())
+    return f"| diff | DeepSpeed releases |\n| --- | --- |\n{rows}"
 
 
 def readme(indexes: dict) -> str:
-    """``indexes``: the index (release -> diff) of each folder, the fix's first."""
+    """``indexes``: each change's index (release -> diff), by change name."""
     sections = []
-    for prefix, index in indexes.items():
-        groups = {}
-        for version, name in index.items():
-            groups.setdefault(name, []).append(version)
-        rows = "\n".join(
-            f"| [`{prefix}{name}`]({prefix}{name}) | "
-            f"{versions[0]} – {versions[-1]} ({len(versions)} release{'' if len(versions) == 1 else 's'}) |"
-            for name, versions in groups.items())
-        sections.append(f"| diff | DeepSpeed releases |\n| --- | --- |\n{rows}")
+    for change in CHANGES:
+        switch = (
+            "" if change.upstream else
+            f"; on by default, `{change.switch}=0` leaves it out, and it applies with or without the other diffs")
+        sections.append(f"### `{change.name}/`: {change.title}\n\n{_forms_text(change)}{switch}: {change.about}\n\n"
+                        f"{table(indexes[change.name], change.name + '/')}")
+    body = "\n\n".join(sections)
+    flags = ", ".join(f"`--{change.name}` {change.title}'s" for change in CHANGES if not change.upstream)
+    example = f"{UPSTREAM.name}/" + indexes[UPSTREAM.name][PATCHED_RELEASES[-1]]
     return f"""# The change as unified diffs
 
-For a DeepSpeed fork or checkout: the same change the package makes at import time, as a diff of
-`{TARGET}`. Generated by `ci/make_patches.py` from each release's own file; CI checks that each diff applies
-cleanly to every release listed for it and that the patched methods equal the package's replacements (AST).
+For a DeepSpeed fork or checkout: the same changes the package makes at import time, as diffs of
+`{TARGET}`, one folder per change. Generated by `ci/make_patches.py` from each release's own file; CI checks that each
+diff applies cleanly to every release listed for it and that the patched methods equal the package's replacements
+(AST).
 
-The fix, what the package applies by default: `update_offload_overflow_tracker` and `has_overflow` from DeepSpeed
-0.17.1, `update_overflow_tracker_for_param_grad` and `has_overflow` in 0.14.0 – 0.17.0:
-
-{sections[0]}
-
-The on-device gradient norm (`complete_grad_norm_calculation_for_cpu_offload`; on by default,
-`{settings.GRAD_NORM}=0` leaves it out), in `grad-norm-on-device/`: `step()` sums the gradient norms on the
-device instead of reading one per parameter tensor. It touches another method than the fix, so it applies with or
-without the fix's diff:
-
-{sections[1]}
-
-The skipped-step fix (`reset_cpu_buffers`; on by default where DeepSpeed has the defect, which came with 0.19.8's
-compact fp32 gradient buffer: after a step skipped for an inf/NaN, the buffer is dropped instead of carrying the
-inf/NaN into every later step), in `skipped-step-buffer/`. It touches another method than the fix, so it applies with
-or without the fix's diff:
-
-{sections[2]}
+{body}
 
 Apply a diff at the top of a DeepSpeed checkout of a listed release:
 
 ```bash
-git apply /path/to/patches/stage_1_and_2-0.19.7-0.19.8.diff     # or: patch -p1 < /path/to/....diff
+git apply /path/to/patches/{example}     # or: patch -p1 < /path/to/....diff
 ```
 
-`ds-offload-patch diff` prints the fix's diff for the installed release (`--grad-norm` the grad norm's,
-`--skipped-step` the skipped-step fix's). With a diff
-applied, the package reports that part as `upstream-fixed` and patches nothing there. `index.json` in each folder
+`ds-offload-patch diff` prints {UPSTREAM.title}'s diff for the installed release ({flags}). With a diff
+applied, the package reports that change as `upstream-fixed` and patches nothing there. `index.json` in each folder
 maps each release to its diff.
 """
 
@@ -244,23 +246,22 @@ def main() -> int:
     args = parser.parse_args()
     os.makedirs(args.sdists, exist_ok=True)
     problems, files, indexes, count = [], {}, {}, 0
-    for patch_set in guard.PATCH_SETS:
-        diffs, index = build(args.sdists, patch_set)
-        where = folder(args.patches, patch_set)
-        merged = {**indexes.get(_prefix(args.patches, where), {}), **index}
-        indexes[_prefix(args.patches, where)] = dict(sorted(merged.items(), key=lambda item: Version(item[0])))
+    for change in CHANGES:
+        diffs, index = build(args.sdists, change)
+        where = os.path.join(args.patches, change.name)
+        indexes[change.name] = dict(sorted(index.items(), key=lambda item: Version(item[0])))
         count += len(diffs)
         files.update({os.path.join(where, name): text for name, text in diffs.items()})
-        files[os.path.join(where, "index.json")] = json.dumps(indexes[_prefix(args.patches, where)], indent=2) + "\n"
+        files[os.path.join(where, "index.json")] = json.dumps(indexes[change.name], indent=2) + "\n"
         for version, name in index.items():
             original = read_target(sdist_path(args.sdists, version), version)
             after = git_apply(diffs[name], original)
             if after is None:
                 problems.append(f"{name} does not apply to {version}")
-            elif not methods_equal_replacements(original, after, patch_set):
+            elif not methods_equal_replacements(original, after, change, version):
                 problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
             else:
-                unresolved = unresolved_globals(after, patch_set.methods)
+                unresolved = unresolved_globals(after, change.form_of(version).methods)
                 if unresolved:
                     problems.append(f"{name} on {version}: the patched methods use names the release's module does "
                                     f"not define: {unresolved}")

@@ -22,6 +22,7 @@ from packaging.version import Version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from deepspeed_offload_patch.changes import OTHERS, UPSTREAM  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
 
 REPORTS = os.path.join(ROOT, "reports", "matrix")
@@ -41,17 +42,17 @@ def load() -> list:
 
 
 def passed(result: dict) -> bool:
-    """The state (and the skipped-step fix's, where recorded) is the expected one, the tests ran and none failed or
-    was skipped, the red/green proof (where it ran) held, and with the diffs applied both parts read as expected and the ZeRO tests passed on the diffs alone."""
+    """Every change's state is the expected one, the tests ran and none failed or was skipped, the red/green proof
+    (where it ran) held, and with the diffs applied every change reads as expected and the ZeRO tests passed on the
+    diffs alone."""
     tests = result["tests"]
     ok = result["state"] == result["expected"] and tests["failed"] == 0 and tests["skipped"] == 0 and tests["passed"]
-    ok = ok and result.get("skipped_step") == result.get("skipped_step_expected")
+    ok = ok and result.get("changes") == result.get("changes_expected")
     ok = ok and result.get("red_green", "pass") == "pass"
     ok = ok and result.get("watch", {}).get("as_expected", True)
     if "diff_tests" in result:
         ok = (ok and result["diff_state"] == State.UPSTREAM_FIXED
-              and result.get("diff_grad_norm_state") == result.get("diff_grad_norm_expected", State.UPSTREAM_FIXED)
-              and result.get("diff_skipped_step_state") == result.get("diff_skipped_step_expected")
+              and result.get("diff_changes") == result.get("diff_changes_expected")
               and result["diff_tests"]["failed"] == 0)
     return bool(ok)
 
@@ -103,19 +104,20 @@ def kept_rows(old_table: str, rerun: set) -> list:
 
 def render(results: list, kept: list = ()) -> str:
     lines = [
-        "| DeepSpeed | built from | Python | state on import | tests | red/green | fix / grad norm with the diffs "
+        "| DeepSpeed | built from | Python | state on import | tests | red/green | each change with the diffs "
         "applied | ZeRO tests on the diffs alone | result | commit |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = []
     for r in results:
-        diff_state = f"{r['diff_state']} / {r.get('diff_grad_norm_state', '?')}" if "diff_state" in r else "–"
+        diff_state = (" / ".join([r["diff_state"], *r.get("diff_changes", {}).values()]) if "diff_state" in r else "–")
         diff_tests = _tests(r["diff_tests"]) if "diff_tests" in r else "–"
         built = r.get("variant", "PyPI")
         built += WHEEL if r.get("package") == "wheel" else ""
         if r.get("torch", "2.13.0").split("+")[0] != "2.13.0":
             built += f", torch {r['torch'].split('+')[0]}"
-        state = r["state"] + (f"; skipped-step fix {r['skipped_step']}" if "skipped_step" in r else "")
+        state = r["state"] + "".join(f"; {change.label} {r['changes'][change.state_key]}"
+                                     for change in OTHERS if change.state_key in r.get("changes", {}))
         rows.append((Version(r["release"]), f"| {r['release']} | {built} | {python_of(r)} | {state} | "
                      f"{_tests(r['tests'])} | "
                      f"{r.get('red_green', '–')} | {diff_state} | {diff_tests} | {'pass' if passed(r) else 'FAIL'} | "
@@ -166,9 +168,8 @@ def render_layouts(results: list) -> str:
 
 
 def states_as_expected(r: dict) -> bool:
-    """One release's states (``nox -s states``) are the expected ones; the grad norm's where the result records it."""
-    return ((r["state"], r["skipped_step"]) == (r["expected"], r["skipped_step_expected"])
-            and r.get("grad_norm") == r.get("grad_norm_expected", r.get("grad_norm")))
+    """One release's states (``nox -s states``) are the expected ones, every change's."""
+    return r["state"] == r["expected"] and r.get("changes") == r.get("changes_expected")
 
 
 def render_states(found: dict) -> str:
@@ -176,7 +177,7 @@ def render_states(found: dict) -> str:
     rows = []
     for version, r in sorted(found["releases"].items(), key=lambda item: Version(item[0])):
         ok = states_as_expected(r)
-        key = (r["state"], r["skipped_step"], r.get("grad_norm"), r["torch"], ok)
+        key = (r["state"], *(r["changes"].get(change.state_key) for change in OTHERS), r["torch"], ok)
         if rows and rows[-1][0] == key:
             rows[-1][1].append(version)
         else:
@@ -184,13 +185,14 @@ def render_states(found: dict) -> str:
     lines = [
         f"Python {found['python']}, commit {found['commit']}; not run on the CPU: {', '.join(found['not_on_cpu'])} "
         "(its methods are 0.14.1's: the fingerprints).", "",
-        "| DeepSpeed | releases | torch | the sync fix | the skipped-step fix | on-device grad norm | as expected |",
-        "| --- | --- | --- | --- | --- | --- | --- |"
+        "| DeepSpeed | releases | torch | " + " | ".join(change.title
+                                                         for change in (UPSTREAM, ) + OTHERS) + " | as expected |",
+        "| --- | --- | --- | " + "--- | " * len(OTHERS) + "--- | --- |"
     ]
-    for (state, skipped, grad_norm, torch, ok), versions in rows:
+    for (state, *others, torch, ok), versions in rows:
         span = versions[0] if len(versions) == 1 else f"{versions[0]} – {versions[-1]}"
-        lines.append(f"| {span} | {len(versions)} | {torch} | {state} | {skipped} | {grad_norm} | "
-                     f"{'yes' if ok else 'NO'} |")
+        lines.append(f"| {span} | {len(versions)} | {torch} | {state} | " + " | ".join(map(str, others)) +
+                     f" | {'yes' if ok else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,7 @@
 Run in an environment where that DeepSpeed is installed. For each method a patch set replaces, it prints the guard's
 finding, the method's fingerprint and, for a form the package does not know, the known release whose method is
 closest (by text, from the sdists' cache: ``ci/sdists.py``) with a unified diff from it. That diff is what a new
-replacement in ``deepspeed_offload_patch/overflow.py`` (or ``grad_norm.py``) has to answer.
+replacement in the change's ``methods.py`` (``deepspeed_offload_patch/changes/<name>/``) has to answer.
 
     python ci/new_form.py [--sdists CACHE]
 """
@@ -30,6 +30,7 @@ from gen_fingerprints import method_sources, read_target  # noqa: E402
 from sdists import DEFAULT_CACHE, sdist_path  # noqa: E402
 
 from deepspeed_offload_patch import guard  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES  # noqa: E402
 from deepspeed_offload_patch.fingerprints import UNFIXED  # noqa: E402
 
 KNOWN = ("patchable", "fixed", "ours")
@@ -54,11 +55,11 @@ def main() -> int:
     cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
     print(f"DeepSpeed {deepspeed.__version__}")
     new = 0
-    for name in guard.ALL_METHODS:
+    for change, name in [(change, name) for change in CHANGES for name in change.method_names]:
         if name not in cls.__dict__:
             print(f"{name}: not defined here")
             continue
-        finding, _ = guard.classify_method(cls, name)
+        finding, _ = guard.classify_method(cls, name, change)
         digest = guard.fingerprint(cls.__dict__[name])
         known = UNFIXED.get(name, {}).get(digest)
         print(f"{name}: {finding}, fingerprint {digest}" +

@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "ci"))
 from deepspeed_offload_patch import settings  # noqa: E402
-from deepspeed_offload_patch.guard import SKIPPED_STEP  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES, OTHERS  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from deepspeed_offload_patch.states import State  # noqa: E402
 import pin  # noqa: E402
@@ -76,14 +76,20 @@ VARIANTS = {
     "fixed-differently": ("0.20.0", "fixed-differently", State.UPSTREAM_FIXED),
     "0.20.0.dev0": ("0.20.0.dev0", None, State.APPLIED),
 }
-# The skipped-step fix's state each must report (its step() and reset_cpu_buffers are 0.19.8's but in
-# fixed-differently, whose step() drops the compact buffers itself).
-VARIANT_SKIPPED_STEP = {"fixed-differently": State.UPSTREAM_FIXED}
+# A variant's states that its release's forms do not give: fixed-differently's step() drops the compact buffers
+# itself, so the skipped-step fix finds upstream's fix there.
+VARIANT_CHANGES = {"fixed-differently": {"skipped-step": State.UPSTREAM_FIXED}}
 
 
-def skipped_step_expected(release: str) -> str:
-    """The skipped-step fix's state on a PyPI release: the defect came with 0.19.8's compact gradient buffer."""
-    return State.APPLIED if Version(release) >= Version(SKIPPED_STEP.first_release) else State.NOT_NEEDED
+def changes_result(status: dict, release: str, variant: str = "", fixed: bool = False) -> dict:
+    """Each change beside the upstream one, by its key in ``status --json``: the state ``status`` read (``changes``)
+    and the one it must read (``changes_expected``): applied where the release has a form of the change
+    (upstream-fixed with the diffs applied, ``fixed``), not-needed where it has none, or the variant's own."""
+    expected = {}
+    for change in OTHERS:
+        state = (State.UPSTREAM_FIXED if fixed else State.APPLIED) if change.form_of(release) else State.NOT_NEEDED
+        expected[change.state_key] = VARIANT_CHANGES.get(variant, {}).get(change.name, state)
+    return {"changes": {key: status.get(key) for key in expected}, "changes_expected": expected}
 
 
 # Releases that do not import with torch 2.13.0 (their elastic agent imports torch's _get_socket_with_port, which torch
@@ -223,7 +229,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     session.chdir(ROOT)
     status = _status(session, env=CLEAN)
     result = {"release": deepspeed, "state": status["state"], "expected": State.APPLIED}
-    result.update(skipped_step=status["skipped_step"], skipped_step_expected=skipped_step_expected(deepspeed))
+    result.update(changes_result(status, deepspeed))
     result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
     if "smoke" in profiles:
         result.update(_smoke(session, deepspeed))
@@ -410,9 +416,7 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     session.install("--no-deps", "--force-reinstall", ROOT)
     result = {"release": version, "variant": f"{VARIANT_BASE} sdist, {kind}", "expected": expected}
     status = _status(session, env=CLEAN)
-    result.update(state=status["state"],
-                  skipped_step=status["skipped_step"],
-                  skipped_step_expected=VARIANT_SKIPPED_STEP.get(kind, State.APPLIED))
+    result.update(state=status["state"], **changes_result(status, version, kind))
     result["watch"] = _watch(session, kind, should_pass=expected != State.UNSUPPORTED)
     if expected == State.APPLIED:
         if profile == "smoke":
@@ -469,9 +473,9 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
     backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
     shutil.copy(path, backup)
     try:
-        options = [([], "fix"), (["--grad-norm"], "grad-norm")]
-        if Version(deepspeed) >= Version("0.19.8"):
-            options.append((["--skipped-step"], "skipped-step"))
+        # Each change's diff for this release (diff's default is the upstream change's).
+        options = [([] if change.upstream else [f"--{change.name}"], change.name) for change in CHANGES
+                   if change.form_of(deepspeed) is not None]
         for option, name in options:
             diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", *option, silent=True, stderr=None)
             diff_file = os.path.join(REPORTS, f"{deepspeed}-{name}.diff")
@@ -487,20 +491,16 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
                         diff_file,
                         external=True)
         disabled = {settings.DISABLE: "1", settings.STRICT: "0"}
-        enabled = {settings.DISABLE: "0", settings.STRICT: "0", settings.GRAD_NORM: "1"}
+        enabled = {settings.DISABLE: "0", settings.STRICT: "0", **{c.switch: "1" for c in CHANGES if c.switch}}
         status = _status(session, env=enabled)
-        grad_norm_expected = State.UPSTREAM_FIXED
+        applied = changes_result(status, deepspeed, fixed=True)
         return {
-            "diff_skipped_step_state":
-            status["skipped_step"],
-            "diff_skipped_step_expected":
-            State.UPSTREAM_FIXED if Version(deepspeed) >= Version(SKIPPED_STEP.first_release) else State.NOT_NEEDED,
+            "diff_changes":
+            applied["changes"],
+            "diff_changes_expected":
+            applied["changes_expected"],
             "diff_state":
             status["state"],
-            "diff_grad_norm_state":
-            status["grad_norm_on_device"],
-            "diff_grad_norm_expected":
-            grad_norm_expected,
             # Equivalence tests compare patched and unpatched processes; with the diff in the file, both sides run
             # the diff, so they would compare it with itself.
             "diff_tests":
@@ -559,9 +559,7 @@ def pythons(session: nox.Session) -> None:
         session.chdir(outside)  # the checkout is not on sys.path: the installed wheel is what runs
         result = {"release": deepspeed, "package": "wheel", "expected": State.APPLIED}
         status = _status(session, env=CLEAN)
-        result.update(state=status["state"],
-                      skipped_step=status["skipped_step"],
-                      skipped_step_expected=skipped_step_expected(deepspeed))
+        result.update(state=status["state"], **changes_result(status, deepspeed))
         session.run("ds-offload-patch", "check", env=CLEAN)
         session.run("ds-offload-patch", "verify", env=CLEAN)
         session.chdir(ROOT)
@@ -626,10 +624,7 @@ def states(session: nox.Session) -> None:
         found[version] = {
             "state": status["state"],
             "expected": State.APPLIED,
-            "skipped_step": status["skipped_step"],
-            "skipped_step_expected": skipped_step_expected(version),
-            "grad_norm": status.get("grad_norm_on_device"),
-            "grad_norm_expected": State.APPLIED,
+            **changes_result(status, version),
             "torch": torch[0].split("==")[1],
         }
         session.log(f"DeepSpeed {version}: {found[version]}")
@@ -657,7 +652,8 @@ def sdists(session: nox.Session) -> None:
 
 @nox.session
 def sources(session: nox.Session) -> None:
-    """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache)."""
+    """The fingerprints and patches/ agree with the releases' own sdists (fetched first, into the cache), and
+    ``status``, ``check`` and ``diff`` print on every release what ``tests/release/cli_golden`` recorded."""
     _install_torch(session, "torch==2.13.0")
     session.install("deepspeed==0.19.8", "packaging", "yapf==0.43.0", "wheel")
     session.install("pytest")
@@ -665,6 +661,7 @@ def sources(session: nox.Session) -> None:
     session.chdir(ROOT)
     session.run("python", os.path.join(ROOT, "ci", "sdists.py"))
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/release/test_sources.py")
+    session.run("python", os.path.join(ROOT, "ci", "cli_golden.py"), "--check")
 
 
 # The training stacks of tests/stacks, at the versions ci/constraints.txt pins (ci/pin.py says why transformers is

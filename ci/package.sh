@@ -25,11 +25,11 @@ wheel=$(ls dist/*.whl)
 python -m twine check --strict dist/*
 # (Listings are grepped as files: grep -q on a pipe would end the lister early, which pipefail reports.)
 tar tzf "$sdist" > "$WORK/sdist.txt"
-for path in patches/index.json docs/audit.md ci/templates/ds_config_smoke.json pytest.ini; do
+for path in patches/overflow-flag/index.json docs/audit.md ci/templates/ds_config_smoke.json pytest.ini; do
     grep -q "/$path$" "$WORK/sdist.txt" || { echo "the sdist holds no $path"; exit 1; }
 done
 python -m zipfile -l "$wheel" > "$WORK/wheel.txt"
-grep -q "deepspeed_offload_patch/_patches/index.json" "$WORK/wheel.txt" || { echo "the wheel holds no diffs"; exit 1; }
+grep -q "deepspeed_offload_patch/_patches/overflow-flag/index.json" "$WORK/wheel.txt" || { echo "the wheel holds no diffs"; exit 1; }
 # The index page: every link in the long description is absolute (a relative one points into a checkout).
 python - "$wheel" << 'PY'
 import re, sys, zipfile

@@ -18,11 +18,8 @@ import subprocess
 import sys
 from typing import Dict, List, Tuple
 
-from deepspeed_offload_patch.states import State
+from deepspeed_offload_patch.changes import OTHERS, UPSTREAM
 
-GOOD = (State.APPLIED, State.UPSTREAM_FIXED)
-# The skipped-step fix (on by default) where it is in effect or not needed; off only by the environment's choice.
-SKIPPED_STEP_GOOD = (State.APPLIED, State.UPSTREAM_FIXED, State.NOT_NEEDED, State.OFF)
 TEMPLATE = "ci/templates/upstream-watch.yml"
 
 
@@ -75,14 +72,16 @@ def main() -> int:
     found = status()
     version, state = found.get("deepspeed_version"), found["state"]
     problems = []
-    if state not in GOOD:
+    if state not in UPSTREAM.good_states:
         new = fingerprints(found.get("methods", {}))
         problems.append(f"state {state}: {found['reason']}" + (f"; new forms: {', '.join(new)}" if new else ""))
-    skipped_step = found.get("skipped_step", State.OFF)
-    if skipped_step not in SKIPPED_STEP_GOOD:
-        problems.append(f"the skipped-step fix {skipped_step}: {found.get('skipped_step_reason', '')}")
-    else:
-        state += f", the skipped-step fix {skipped_step}"
+    # Every other change in one of its good states (in effect, not needed, or off by the environment's choice).
+    for change in OTHERS:
+        other = found.get(change.state_key, "off")
+        if other not in change.good_states:
+            problems.append(f"{change.title} {other}: {found.get(change.reason_key, '')}")
+        else:
+            state += f", {change.title} {other}"
     code, verified = verify()
     if code != 0:
         problems.append(f"verify failed: {verified.splitlines()[-1] if verified else code}")

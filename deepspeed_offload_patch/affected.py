@@ -5,15 +5,10 @@ package fixes each with the DeepSpeed installed here.
 
 The config is the JSON a job passes to the ``deepspeed`` launcher (``--deepspeed``), to HF Trainer
 (``TrainingArguments(deepspeed=...)``) or to Accelerate (``deepspeed_config_file``). HF's ``"auto"`` values are filled
-by the Trainer at run time: where one decides a defect, the answer is ``maybe``. The defects:
-
-* ``host-sync``: one host synchronization per gradient tensor in every boundary backward (ZeRO-1/2 with
-  ``offload_optimizer``; DeepSpeed 0.14.0 - 0.19.8). Fixed by the overflow flag fix (DeepSpeed pull request 8963).
-* ``skipped-step``: one inf/NaN makes every later step skip (ZeRO-1/2 with ``offload_optimizer``, fp32 gradient
-  accumulation under bf16 with its overflow check on, or fp16; DeepSpeed 0.19.8, whose compact buffer keeps it).
-  Fixed by the skipped-step fix.
-* ``step-reads``: ``step()`` reads one host value per owned gradient tensor (its norm; ZeRO-1/2 with offload).
-  Fixed by the on-device gradient norm (on by default; DeepSpeed 0.14.0 and later).
+by the Trainer at run time: where one decides a defect, the answer is ``maybe``. The defects are those the changes of
+:mod:`deepspeed_offload_patch.changes` fix, one each (its record's ``defect``): only a ZeRO-1/2 job with
+``offload_optimizer`` has them, and a change's ``affects`` narrows that where the defect needs more (a precision, an
+accumulation dtype).
 
 Exit code: 0 when the job has no defect that stays (none, or each fixed here by default), 1 when it has one (or
 may have one, with ``"auto"``), 2 when the config cannot be read.
@@ -22,6 +17,9 @@ may have one, with ``"auto"``), 2 when the config cannot be read.
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Union
+
+from deepspeed_offload_patch.changes import CHANGES
+from deepspeed_offload_patch.states import State
 
 YES, NO, MAYBE = "yes", "no", "maybe"
 AUTO = "auto"
@@ -111,61 +109,30 @@ def _offloaded(job: Job) -> str:
 
 
 def findings(job: Job, status) -> List[Finding]:
-    """The three defects for ``job`` on the DeepSpeed that ``status`` (the package's :class:`PatchStatus`) describes."""
-    from deepspeed_offload_patch.states import GOOD_STATES, State
+    """Each change's defect for ``job`` on the DeepSpeed that ``status`` (the package's :class:`PatchStatus`)
+    describes, in the order of :data:`deepspeed_offload_patch.changes.CHANGES`.
 
+    Only an offloaded ZeRO-1/2 job can have them; a change's ``affects(job)`` narrows that further (the precision, the
+    accumulation dtype). A DeepSpeed that does not need the change (``not-needed``, ``upstream-fixed``) has no such
+    defect; otherwise the change fixes it where it is ``applied``.
+    """
     version = status.deepspeed_version or "(not installed)"
     offloaded = _offloaded(job)
     where = "ZeRO-1/2 with offload_optimizer" if offloaded != NO else "not ZeRO-1/2 with offload_optimizer"
     found = []
-
-    # The per-gradient host syncs: every ZeRO-1/2 offload job on a DeepSpeed with the defect.
-    if offloaded == NO:
-        found.append(Finding("host-sync", NO, where, "-", f"the overflow flag fix: {status.state}"))
-    elif status.state == State.UPSTREAM_FIXED:
-        found.append(
-            Finding("host-sync", NO, f"DeepSpeed {version} has the fix", "-", "the overflow flag fix: "
-                    f"{status.state}"))
-    else:
-        fixed = YES if status.state in GOOD_STATES else NO
-        found.append(Finding("host-sync", offloaded, where, fixed, f"the overflow flag fix: {status.state}"))
-
-    # The freeze: fp32 accumulation apart from the model's dtype, where a bad gradient skips the step.
-    change = f"the skipped-step fix: {status.skipped_step}"
-    separate = job.grad_accum_dtype == "fp32" and job.precision != "fp32"
-    skips = {
-        "fp16": YES,
-        "bf16": YES if job.check_grad_overflow is True else MAYBE if job.check_grad_overflow == AUTO else NO,
-        AUTO: MAYBE
-    }.get(job.precision, NO)
-    if offloaded == NO or not separate or skips == NO:
-        why = where if offloaded == NO else ("gradients accumulate in the precision's dtype"
-                                             if not separate else "this precision does not skip steps for an inf/NaN")
-        found.append(Finding("skipped-step", NO, why, "-", change))
-    elif status.skipped_step in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
-        found.append(Finding("skipped-step", NO, f"DeepSpeed {version}: {status.skipped_step}", "-", change))
-    else:
-        affected = MAYBE if MAYBE in (offloaded, skips) else YES
-        fixed = YES if status.skipped_step == State.APPLIED else NO
-        found.append(
-            Finding("skipped-step", affected, f"{where}, fp32 gradient accumulation under {job.precision}", fixed,
-                    change))
-
-    # step()'s reads of each gradient norm: the on-device grad norm removes them.
-    norm = f"the on-device grad norm: {status.grad_norm_on_device}"
-    if offloaded == NO:
-        found.append(Finding("step-reads", NO, where, "-", norm))
-    else:
-        fixed = YES if status.grad_norm_on_device in GOOD_STATES else NO
-        found.append(Finding("step-reads", offloaded, where, fixed, norm))
+    for change in CHANGES:
+        state = status.of(change)[0]
+        defect, what = change.defect[0], f"{change.title}: {state}"
+        affected, why = change.affects(job) if change.affects is not None else (YES, "")
+        if offloaded == NO or affected == NO:
+            found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what))
+        elif state in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what))
+        else:
+            found.append(
+                Finding(defect, MAYBE if MAYBE in (offloaded, affected) else YES, f"{where}, {why}" if why else where,
+                        YES if state == State.APPLIED else NO, what))
     return found
-
-
-TITLES = {
-    "host-sync": "a host sync per gradient in each boundary backward",
-    "skipped-step": "one inf/NaN makes every later step skip",
-    "step-reads": "step() reads one host value per gradient tensor",
-}
 
 
 def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) -> int:
@@ -198,6 +165,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
     print(f"ds-offload-patch affected: {path}, DeepSpeed {status.deepspeed_version or '(not installed)'} "
           f"(Python {platform.python_version()})")
     print(f"job: {job.text()}")
+    titles = {change.defect[0]: change.defect[1] for change in CHANGES}
     for finding in found:
         if finding.affected == NO:
             verdict = f"not affected ({finding.why})"
@@ -205,5 +173,5 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
             fix = {YES: "fixed", NO: "NOT fixed"}
             verdict = f"{'affected' if finding.affected == YES else 'maybe affected'} ({finding.why}); " \
                       f"{fix[finding.fixed]}"
-        print(f"{TITLES[finding.defect]}: {verdict} [{finding.change}]")
+        print(f"{titles[finding.defect]}: {verdict} [{finding.change}]")
     return code

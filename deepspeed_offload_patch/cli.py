@@ -3,13 +3,9 @@
 """``ds-offload-patch`` (also ``python -m deepspeed_offload_patch``): status, CI gate, behavioural check, diff, launcher,
 host-sync audit of a user's run.
 
-Exit codes of ``check`` and ``status``: :data:`EXIT_CODES`, the one table that :data:`EXIT`, :data:`EXIT_TEXT` (their
-``--help``) and the list at the end of this text are made from.
-
-``verify``: 0 pass, 1 a check failed or could not run, 2 usage. ``diff``: 0, 1 no diff for the installed DeepSpeed.
-``run``: the command's own exit code; 2 no command given; 127 the command cannot be started. ``audit``: the command's
-own code when it fails; 1 a budget exceeded or no optimizer step counted; 2 usage (no command); 127 the command
-cannot be started; else 0.
+Each command is a parser function beside its handler; each command's exit codes are stated once, in :data:`EXITS`
+(``check`` and ``status``: the table :data:`EXIT_CODES`), and its ``--help``, the parser's epilog and the list at the
+end of this text are made from them. The changes are read from :mod:`deepspeed_offload_patch.changes`.
 """
 
 import argparse
@@ -20,7 +16,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from deepspeed_offload_patch import settings
-from deepspeed_offload_patch.states import GOOD_STATES, GRAD_NORM_GOOD_STATES, SKIPPED_STEP_GOOD_STATES, State
+from deepspeed_offload_patch.changes import OTHERS, UPSTREAM
+from deepspeed_offload_patch.changes.record import Change
+from deepspeed_offload_patch.states import GOOD_STATES, State
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,8 @@ class ExitCode:
 #: state decides; when it exits 0, the first default-on change that is on and not in effect decides with its own state.
 EXIT_CODES = (
     ExitCode(
-        0, "the fix is active, and the skipped-step fix and the on-device grad norm are each in effect, not needed or "
-        "switched off", GOOD_STATES),
+        0, f"the fix is active, and {' and '.join(change.title for change in OTHERS)} are each in effect, not needed "
+        "or switched off", GOOD_STATES),
     ExitCode(
         1,
         f"the fix, or a change on by default, is not active (unknown release or code; not-applied: {settings.AUTO}=0)",
@@ -59,7 +57,29 @@ EXIT = {state: row.code for row in EXIT_CODES for state in row.states}
 #: The exit codes of ``check`` and ``status``, as their ``--help`` says them.
 EXIT_TEXT = "; ".join(row.text() for row in EXIT_CODES)
 
+#: Each command's exit codes, in words: the one place they are stated.
+EXITS = {
+    "status":
+    EXIT_TEXT,
+    "check":
+    EXIT_TEXT,
+    "verify":
+    "0 pass, 1 fail",
+    "diff":
+    "0, or 1 when there is no diff for this DeepSpeed",
+    "affected":
+    "0 when no defect stays (none, or each fixed by default here), 1 when one does or may, 2 when the "
+    "config cannot be read",
+    "run":
+    "the command's own code; 2 no command; 127 the command cannot be started",
+    "audit":
+    "the command's code if it fails, 1 if a budget is exceeded or no optimizer step was counted, 2 no "
+    "command, 127 the command cannot be started, else 0",
+}
+
 __doc__ += "\nExit codes of ``check`` and ``status``:\n\n" + "".join(f"* {row.text()}\n" for row in EXIT_CODES)
+__doc__ += "\nThe other commands':\n\n" + "".join(
+    f"* ``{command}``: {text}\n" for command, text in EXITS.items() if command not in ("check", "status"))
 
 ADVICE = {
     State.UNSUPPORTED: "pin a supported DeepSpeed release or upgrade deepspeed_offload_patch "
@@ -95,6 +115,15 @@ def resolve_status():
     return dop.status()
 
 
+def _status_parser(sub) -> None:
+    status = sub.add_parser("status",
+                            help="what the patch does with the installed DeepSpeed (exit code as check's)",
+                            description="Print the installed DeepSpeed's version, the patch state, the reason and "
+                            f"the finding per method. Exit: {EXITS['status']}.")
+    status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
+    status.set_defaults(func=_status_command)
+
+
 def _status_command(args) -> int:
     import deepspeed_offload_patch as dop
 
@@ -108,57 +137,50 @@ def _status_command(args) -> int:
             },
                        indent=2,
                        sort_keys=True))
-    else:
-        from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
+        return status_exit_code(status)
 
-        skipped_methods = SKIPPED_STEP.methods + SKIPPED_STEP.witnesses
-        others = skipped_methods + GRAD_NORM.methods
+    def methods(names) -> None:
+        for name, finding in status.methods.items():
+            if name in names:
+                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
 
-        def methods(names) -> None:
-            for name, finding in status.methods.items():
-                if name in names:
-                    print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
-
-        print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
-        print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state} (the overflow flag fix)")
-        print(f"  {status.reason}")
-        methods([name for name in status.methods if name not in others])
-        print(f"skipped-step fix: {status.skipped_step}"
-              f"{': ' + status.skipped_step_reason if status.skipped_step_reason else ''}")
-        methods(skipped_methods)
-        print(f"on-device grad norm: {status.grad_norm_on_device}"
-              f"{': ' + status.grad_norm_reason if status.grad_norm_reason else ''}")
-        methods(GRAD_NORM.methods)
+    print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
+    print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state} ({UPSTREAM.label})")
+    print(f"  {status.reason}")
+    methods([name for name in status.methods if not any(name in change.method_names for change in OTHERS)])
+    for change in OTHERS:
+        state, reason = status.of(change)
+        print(f"{change.label}: {state}{': ' + reason if reason else ''}")
+        methods(change.method_names)
     return status_exit_code(status)
 
 
 def exit_code(state: State) -> int:
-    """The exit code of the fix's ``state`` alone (:data:`EXIT_CODES`; 0 for a good state, 1 for a state not
-    listed)."""
+    """The exit code of the upstream change's ``state`` alone (:data:`EXIT_CODES`; 0 for a good state, 1 for a state
+    not listed)."""
     return EXIT.get(state, 1)
 
 
 def status_exit_code(status) -> int:
-    """The exit code of ``check`` and ``status``: the fix's, else the skipped-step fix's, else the on-device grad
-    norm's, when that one is on and not in effect (unsupported, conflict, reverted): every change the installed
-    DeepSpeed needs."""
+    """The exit code of ``check`` and ``status``: the upstream change's, else that of the first other change that is
+    on and not in effect (unsupported, conflict, reverted): every change the installed DeepSpeed needs."""
     code = exit_code(status.state)
     if code == 0:
-        part = _failing_part(status)
-        if part:
-            code = EXIT.get(getattr(status, part[0]), 1)
+        change = failing_change(status)
+        if change is not None:
+            code = EXIT.get(status.of(change)[0], 1)
     return code
 
 
-def _failing_part(status) -> Optional[tuple]:
-    """``(state field, reason field, name, switch)`` of the first default-on change that is not in effect, or None."""
-    from deepspeed_offload_patch.settings import GRAD_NORM, SKIPPED_STEP
+def failing_change(status) -> Optional[Change]:
+    """The first change beside the upstream one whose state is not one of its good states, or None."""
+    return next((change for change in OTHERS if status.of(change)[0] not in change.good_states), None)
 
-    if status.skipped_step not in SKIPPED_STEP_GOOD_STATES:
-        return ("skipped_step", "skipped_step_reason", "the skipped-step fix", SKIPPED_STEP)
-    if status.grad_norm_on_device not in GRAD_NORM_GOOD_STATES:
-        return ("grad_norm_on_device", "grad_norm_reason", "the on-device grad norm", GRAD_NORM)
-    return None
+
+def _check_parser(sub) -> None:
+    sub.add_parser("check",
+                   help="CI gate: exit 0 only if the installed DeepSpeed gets the fix",
+                   description=f"One line. Exit: {EXITS['check']}.").set_defaults(func=_check_command)
 
 
 def _check_command(args) -> int:
@@ -168,17 +190,31 @@ def _check_command(args) -> int:
     # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
     python = f"Python {platform.python_version()}"
     if code == 0:
-        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, the skipped-step fix "
-              f"{status.skipped_step}, the on-device grad norm {status.grad_norm_on_device} ({python})")
+        others = ", ".join(f"{change.title} {status.of(change)[0]}" for change in OTHERS)
+        print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, {others} ({python})")
     elif exit_code(status.state):
         print(f"ds-offload-patch check: FAIL ({status.state}, {python}): {status.reason}; "
               f"{ADVICE.get(status.state, 'see ds-offload-patch status')}")
     else:
-        state, reason, name, switch = _failing_part(status)
-        print(f"ds-offload-patch check: FAIL ({name} {getattr(status, state)}, {python}): "
-              f"{getattr(status, reason)}; {ADVICE.get(getattr(status, state), 'see ds-offload-patch status')} (or "
-              f"{switch}=0 to go without it)")
+        change = failing_change(status)
+        state, reason = status.of(change)
+        print(f"ds-offload-patch check: FAIL ({change.title} {state}, {python}): {reason}; "
+              f"{ADVICE.get(state, 'see ds-offload-patch status')} (or {change.switch}=0 to go without it)")
     return code
+
+
+def _verify_parser(sub) -> None:
+    verify = sub.add_parser("verify",
+                            help="train a tiny ZeRO-2 offload engine and prove there is no host sync",
+                            description="Train a tiny ZeRO-2 offload engine on one rank (CPU, or the GPU DeepSpeed "
+                            "finds) with every boundary backward under no_host_sync(), then show that a NaN gradient "
+                            f"still skips the step. Exit: {EXITS['verify']}.")
+    verify.add_argument("--steps",
+                        type=_positive,
+                        default=3,
+                        metavar="N",
+                        help="optimizer steps under the host-sync guard (default 3)")
+    verify.set_defaults(func=_verify_command)
 
 
 def _verify_command(args) -> int:
@@ -186,12 +222,27 @@ def _verify_command(args) -> int:
     return verify(steps=args.steps)
 
 
+def _diff_parser(sub) -> None:
+    diff = sub.add_parser("diff",
+                          help="print the unified diff of the same change for the installed release",
+                          description="Print the unified diff from patches/ for the installed DeepSpeed (past the "
+                          "last release tested: the diff of the last release whose methods it has); its file name "
+                          "goes to stderr. Apply it with patch -p1 in site-packages. Exit: "
+                          f"{EXITS['diff']}.")
+    which = diff.add_mutually_exclusive_group()
+    for change in OTHERS:
+        which.add_argument(f"--{change.name}",
+                           action="store_const",
+                           dest="part",
+                           const=change.name,
+                           help=change.diff_help)
+    diff.set_defaults(func=_diff_command, part=UPSTREAM.name)
+
+
 def _diff_command(args) -> int:
-    from deepspeed_offload_patch.diffs import FIX, diff_for_installed
-    from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
-    part = GRAD_NORM.name if args.grad_norm else SKIPPED_STEP.name if args.skipped_step else FIX
+    from deepspeed_offload_patch.diffs import diff_for_installed
     try:
-        name, text = diff_for_installed(part)
+        name, text = diff_for_installed(args.part)
     except LookupError as exc:
         print(f"ds-offload-patch diff: {exc}", file=sys.stderr)
         return 1
@@ -200,122 +251,55 @@ def _diff_command(args) -> int:
     return 0
 
 
+def _affected_parser(sub) -> None:
+    defects = ", ".join(change.defect[1] for change in (UPSTREAM, ) + OTHERS)
+    affected = sub.add_parser("affected",
+                              help="which defects a DeepSpeed config's job has, and whether this package fixes each",
+                              description="Read a DeepSpeed config (the JSON given to the deepspeed launcher, HF "
+                              "Trainer or Accelerate) and say, with the installed DeepSpeed, whether the job has each "
+                              f"defect ({defects}) and whether the package fixes each here. HF's \"auto\" values give "
+                              f"\"maybe\". Exit: {EXITS['affected']}.")
+    affected.add_argument("config", help="the DeepSpeed config JSON file")
+    affected.add_argument("--json", action="store_true", help="machine-readable output")
+    affected.set_defaults(func=_affected_command)
+
+
 def _affected_command(args) -> int:
     from deepspeed_offload_patch.affected import report
     return report(args.config, resolve_status, as_json=args.json)
 
 
-def _run_command(args) -> int:
-    from deepspeed_offload_patch.launcher import run
+def _command_after_dashes(args, name: str) -> Optional[List[str]]:
+    """The command after ``--``; None (with a message) when there is none."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("ds-offload-patch run: give a command after --", file=sys.stderr)
-        return 2
-    return run(command)
+        print(f"ds-offload-patch {name}: give a command after --", file=sys.stderr)
+        return None
+    return command
 
 
-def _audit_command(args) -> int:
-    from deepspeed_offload_patch.audit.command import audit
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        print("ds-offload-patch audit: give a command after --", file=sys.stderr)
-        return 2
-    budgets = {
-        "max_backward_syncs": args.max_backward_syncs,
-        "max_step_syncs": args.max_step_syncs,
-        "max_total_syncs": args.max_total_syncs
-    }
-    return audit(command,
-                 steps=args.steps,
-                 stop_after=args.stop_after,
-                 json_path=args.json,
-                 budgets=budgets,
-                 compare=args.compare,
-                 top=args.top)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
-    return value
-
-
-def _budget(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ds-offload-patch`` argument parser (each subcommand sets ``func``)."""
-    parser = argparse.ArgumentParser(
-        prog="ds-offload-patch",
-        description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
-        "behavioural check, diff, launcher and host-sync audit.",
-        epilog=f"Exit codes of check and status: {EXIT_TEXT}. verify: 0 pass, 1 fail. diff: 1 no diff for this "
-        "DeepSpeed. affected: 0 nothing stays unfixed, 1 a defect stays, 2 unreadable config. run: the command's code, 2 no command, 127 cannot start it. audit: see its --help."
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    status = sub.add_parser("status",
-                            help="what the patch does with the installed DeepSpeed (exit code as check's)",
-                            description="Print the installed DeepSpeed's version, the patch state, the reason and "
-                            f"the finding per method. Exit: {EXIT_TEXT}.")
-    status.add_argument("--json", action="store_true", help="machine-readable output (stable keys)")
-    status.set_defaults(func=_status_command)
-    sub.add_parser("check",
-                   help="CI gate: exit 0 only if the installed DeepSpeed gets the fix",
-                   description=f"One line. Exit: {EXIT_TEXT}.").set_defaults(func=_check_command)
-    verify = sub.add_parser("verify",
-                            help="train a tiny ZeRO-2 offload engine and prove there is no host sync",
-                            description="Train a tiny ZeRO-2 offload engine on one rank (CPU, or the GPU DeepSpeed "
-                            "finds) with every boundary backward under no_host_sync(), then show that a NaN gradient "
-                            "still skips the step. Exit 0 pass, 1 fail.")
-    verify.add_argument("--steps",
-                        type=_positive,
-                        default=3,
-                        metavar="N",
-                        help="optimizer steps under the host-sync guard (default 3)")
-    verify.set_defaults(func=_verify_command)
-    diff = sub.add_parser("diff",
-                          help="print the unified diff of the same change for the installed release",
-                          description="Print the unified diff from patches/ for the installed DeepSpeed (past the "
-                          "last release tested: the diff of the last release whose methods it has); its file name "
-                          "goes to stderr. Apply it with patch -p1 in site-packages. Exit 0, or 1 when there is no "
-                          "diff for this DeepSpeed.")
-    which = diff.add_mutually_exclusive_group()
-    which.add_argument("--grad-norm", action="store_true", help="the on-device gradient norm's diff instead")
-    which.add_argument("--skipped-step",
-                       action="store_true",
-                       help="the skipped-step fix's diff instead (DeepSpeed 0.19.8: a skipped step's gradient is not "
-                       "carried into the next steps)")
-    diff.set_defaults(func=_diff_command)
-    affected = sub.add_parser("affected",
-                              help="which defects a DeepSpeed config's job has, and whether this package fixes each",
-                              description="Read a DeepSpeed config (the JSON given to the deepspeed launcher, HF "
-                              "Trainer or Accelerate) and say, with the installed DeepSpeed, whether the job has the "
-                              "per-gradient host syncs, the freeze after one inf/NaN (fp32 gradient accumulation on "
-                              "0.19.8) and step()'s per-tensor reads, and whether the package fixes each here. HF's "
-                              "\"auto\" values give \"maybe\". Exit 0 when no defect stays (none, or each fixed "
-                              "by default here), 1 when one does or may, 2 when the config cannot be read.")
-    affected.add_argument("config", help="the DeepSpeed config JSON file")
-    affected.add_argument("--json", action="store_true", help="machine-readable output")
-    affected.set_defaults(func=_affected_command)
+def _run_parser(sub) -> None:
     run = sub.add_parser("run",
                          help="run a command with the patch applied in every Python process it starts",
                          description="Run COMMAND with a bootstrap sitecustomize first on PYTHONPATH, so every "
                          "Python process it starts (the ranks of deepspeed, torchrun, accelerate launch) imports the "
-                         "patch. Exit: the command's own code; 2 no command; 127 the command cannot be started.")
+                         f"patch. Exit: {EXITS['run']}.")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     run.set_defaults(func=_run_command)
-    audit = sub.add_parser(
-        "audit",
-        help="count host syncs per training phase in the ranks of a command, with budgets",
-        description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
-        "engine's forward, boundary backward, other backward and step() (and their sum, the whole "
-        "step) for the first optimizer steps. Exit: the command's code if it fails, 1 if a budget is exceeded or no optimizer "
-        "step was counted, 2 no command, 127 the command cannot be started, else 0.")
+
+
+def _run_command(args) -> int:
+    from deepspeed_offload_patch.launcher import run
+    command = _command_after_dashes(args, "run")
+    return 2 if command is None else run(command)
+
+
+def _audit_parser(sub) -> None:
+    audit = sub.add_parser("audit",
+                           help="count host syncs per training phase in the ranks of a command, with budgets",
+                           description="Run COMMAND as `run` does and count, in every rank, the host syncs of the "
+                           "engine's forward, boundary backward, other backward and step() (and their sum, the whole "
+                           f"step) for the first optimizer steps. Exit: {EXITS['audit']}.")
     audit.add_argument("--steps", type=_positive, default=3, metavar="N", help="optimizer steps to count (default 3)")
     audit.add_argument("--stop-after",
                        action="store_true",
@@ -348,6 +332,56 @@ def build_parser() -> argparse.ArgumentParser:
                        help="source lines shown per phase (default 3)")
     audit.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     audit.set_defaults(func=_audit_command)
+
+
+def _audit_command(args) -> int:
+    from deepspeed_offload_patch.audit.command import audit
+    command = _command_after_dashes(args, "audit")
+    if command is None:
+        return 2
+    budgets = {
+        "max_backward_syncs": args.max_backward_syncs,
+        "max_step_syncs": args.max_step_syncs,
+        "max_total_syncs": args.max_total_syncs
+    }
+    return audit(command,
+                 steps=args.steps,
+                 stop_after=args.stop_after,
+                 json_path=args.json,
+                 budgets=budgets,
+                 compare=args.compare,
+                 top=args.top)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def _budget(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+#: The commands, in the order ``--help`` lists them: each adds its parser (and handler) to the subparsers.
+COMMANDS = (_status_parser, _check_parser, _verify_parser, _diff_parser, _affected_parser, _run_parser, _audit_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ds-offload-patch`` argument parser (each subcommand sets ``func``)."""
+    exits = f"Exit codes of check and status: {EXIT_TEXT}. " + ". ".join(
+        f"{command}: {text}" for command, text in EXITS.items() if command not in ("check", "status")) + "."
+    parser = argparse.ArgumentParser(prog="ds-offload-patch",
+                                     description="DeepSpeed ZeRO-1/2 offload overflow flag patch: status, CI gate, "
+                                     "behavioural check, diff, launcher and host-sync audit.",
+                                     epilog=exits)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 

@@ -8,28 +8,27 @@ from typing import Optional, Tuple
 
 from packaging.version import Version
 
+from deepspeed_offload_patch.changes import UPSTREAM, by_name
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # Installed: copied into the package at build time. Source checkout: the repository's patches/.
 _CANDIDATES = (os.path.join(_HERE, "_patches"), os.path.join(os.path.dirname(_HERE), "patches"))
 
 
 def patches_dir() -> str:
+    """The folder of the diffs: one folder per change, named as the change (``patches/<name>/``)."""
     for path in _CANDIDATES:
-        if os.path.isfile(os.path.join(path, "index.json")):
+        if os.path.isfile(os.path.join(path, UPSTREAM.name, "index.json")):
             return path
     raise LookupError("the diffs are not installed with this copy of deepspeed_offload_patch")
 
 
-#: The parts with a diff: the fix (in ``patches/``), and the other patch sets (each in ``patches/<its name>/``).
-FIX = "fix"
-
-
-def diff_for(version: str, part: str = FIX) -> Tuple[str, str]:
-    """``(file name, diff text)`` of ``part`` (the fix, or a patch set's name: ``grad-norm-on-device``,
-    ``skipped-step-buffer``) for DeepSpeed ``version`` (its release part). Raises LookupError if there is none."""
+def diff_for(version: str, part: str = UPSTREAM.name) -> Tuple[str, str]:
+    """``(file name, diff text)`` of the change named ``part`` (by default the upstream one) for DeepSpeed
+    ``version`` (its release part). Raises LookupError if there is none."""
     from deepspeed_offload_patch.guard import release_of
 
-    directory = patches_dir() if part == FIX else os.path.join(patches_dir(), part)
+    directory = os.path.join(patches_dir(), part)
     if not os.path.isfile(os.path.join(directory, "index.json")):
         raise LookupError(f"no diffs for {part}")
     with open(os.path.join(directory, "index.json")) as f:
@@ -43,7 +42,7 @@ def diff_for(version: str, part: str = FIX) -> Tuple[str, str]:
         return name, f.read()
 
 
-def diff_for_installed(part: str = FIX) -> Tuple[str, str]:
+def diff_for_installed(part: str = UPSTREAM.name) -> Tuple[str, str]:
     """:func:`diff_for` the installed DeepSpeed. For a DeepSpeed newer than the releases tested, the diff of the last
     tested release whose methods it has, byte for byte (AST fingerprints); it imports DeepSpeed's ZeRO module to
     find out. Raises LookupError when DeepSpeed is missing or has no diff."""
@@ -60,19 +59,16 @@ def diff_for_installed(part: str = FIX) -> Tuple[str, str]:
     return diff_for(version, part)
 
 
-def release_with_the_same_methods(part: str = FIX) -> Optional[str]:
-    """The last tested release whose methods (the fix's, or those a patch set named ``part`` replaces or reads) have
-    the fingerprints of the installed DeepSpeed's originals; None when there is none."""
+def release_with_the_same_methods(part: str = UPSTREAM.name) -> Optional[str]:
+    """The last tested release whose methods (those the change named ``part`` replaces or reads, in the installed
+    class's form) have the fingerprints of the installed DeepSpeed's originals; None when there is none."""
     import importlib
 
     from deepspeed_offload_patch import guard, patcher
 
     cls = getattr(importlib.import_module(patcher.TARGET_MODULE), patcher.TARGET_CLASS)
-    if part == FIX:
-        names = guard.fix_methods(cls)
-    else:
-        patch_set = next(p for p in guard.PATCH_SETS if p.name == part)
-        names = patch_set.methods + patch_set.witnesses
+    form = by_name(part).form_for(cls)
+    names = form.methods + form.witnesses
     originals = patcher.originals()
     common = guard.releases_shipping({name: originals.get(name, cls.__dict__.get(name)) for name in names})
     return max(common, key=Version) if common else None

@@ -7,10 +7,10 @@ by hand. The digests are :func:`deepspeed_offload_patch.source_digest.digest_sou
 """
 
 UNFIXED = {
-    'update_offload_overflow_tracker': {
-        'e27b7d92763ee1cc': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
-                             '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
-                             '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
+    'update_overflow_tracker_for_param_grad': {
+        '17b6ca299566089e':
+        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
+         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0')
     },
     'has_overflow': {
         '69b403abc29dc7e9':
@@ -21,16 +21,8 @@ UNFIXED = {
         ('0.18.0', '0.18.1', '0.18.2', '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0',
          '0.19.1', '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
     },
-    'update_overflow_tracker_for_param_grad': {
-        '17b6ca299566089e':
-        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
-         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0')
-    },
-    'complete_grad_norm_calculation_for_cpu_offload': {
-        '88ca1bfdd6d39110':
-        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
-         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0'),
-        'e6694539c119b786': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
+    'update_offload_overflow_tracker': {
+        'e27b7d92763ee1cc': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
                              '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
                              '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
     },
@@ -39,18 +31,26 @@ UNFIXED = {
     },
     'step': {
         '158180d67d03c45b': ('0.19.8', )
+    },
+    'complete_grad_norm_calculation_for_cpu_offload': {
+        '88ca1bfdd6d39110':
+        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
+         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0'),
+        'e6694539c119b786': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
+                             '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
+                             '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
     }
 }
 
-#: The digests of the package's own replacements (``module.function``): an interpreter that digests them otherwise
+#: The digests of the package's own replacements (``change.function``): an interpreter that digests them otherwise
 #: reads all code differently, and the guard says so instead of blaming DeepSpeed.
 OWN = {
-    'grad_norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',
-    'grad_norm.complete_grad_norm_returning_a_number': 'e00e658ea7a4855e',
-    'overflow.has_overflow': '9bf46cded86d17ed',
-    'overflow.has_overflow_dp_if_partitioned': 'ffba0699b62bdf14',
-    'overflow.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',
-    'overflow.update_offload_overflow_tracker': '5bb45a9f6198c50e',
-    'overflow.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e',
-    'skipped_step.reset_cpu_buffers': '38d1e1a8c7de425c'
+    'grad-norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',
+    'grad-norm.complete_grad_norm_returning_a_number': 'e00e658ea7a4855e',
+    'overflow-flag.has_overflow': '9bf46cded86d17ed',
+    'overflow-flag.has_overflow_dp_if_partitioned': 'ffba0699b62bdf14',
+    'overflow-flag.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',
+    'overflow-flag.update_offload_overflow_tracker': '5bb45a9f6198c50e',
+    'overflow-flag.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e',
+    'skipped-step.reset_cpu_buffers': '38d1e1a8c7de425c'
 }

@@ -8,12 +8,16 @@ import importlib.metadata
 import importlib.util
 import sys
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from deepspeed_offload_patch import import_hook, settings
+from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM
+from deepspeed_offload_patch.changes.record import Change
 from deepspeed_offload_patch.log import info_once, warn_once
+# PatchStatus and deepspeed_version: re-exported (deepspeed_offload_patch.PatchStatus; patcher.deepspeed_version).
+from deepspeed_offload_patch.patch_status import PatchStatus, deepspeed_installed, deepspeed_version  # noqa: F401
 # GOOD_STATES: re-exported by the package (deepspeed_offload_patch.GOOD_STATES).
 from deepspeed_offload_patch.states import GOOD_STATES, State  # noqa: F401
 
@@ -26,99 +30,38 @@ class PatchError(RuntimeError):
 
 
 @dataclass
-class PatchStatus:
-    """Where the patch stands in this process.
-
-    ``state`` is the fix's (the overflow flag on the device): one of applied, pending (DeepSpeed's ZeRO module is not
-    imported yet; the patch applies when it is), upstream-fixed, unsupported, conflict, disabled, deepspeed-missing,
-    reverted or not-applied (before the package's import has run). ``methods`` maps each examined method to the
-    guard's finding (see :mod:`deepspeed_offload_patch.guard`). ``grad_norm_on_device`` is the on-device gradient norm's (on by
-    default): off (switched off), applied, upstream-fixed, unsupported, conflict or reverted, with
-    ``grad_norm_reason``; it is decided with the fix, as ``skipped_step`` is.
-    ``skipped_step`` is the skipped-step fix's (on by default): off (switched off), applied, not-needed (the
-    DeepSpeed has no such defect), upstream-fixed, unsupported, conflict or reverted, with ``skipped_step_reason``;
-    it is decided with the fix (pending, disabled and the rest leave it ``off``).
-    """
-
-    state: State
-    deepspeed_version: Optional[str]
-    reason: str
-    methods: Dict[str, str] = field(default_factory=dict)
-    grad_norm_on_device: State = State.OFF
-    grad_norm_reason: str = ""
-    skipped_step: State = State.OFF
-    skipped_step_reason: str = ""
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
 class AppliedPatch:
-    """What one patch set installed on DeepSpeed's class in this process: the class, DeepSpeed's functions and their
+    """What one change installed on DeepSpeed's class in this process: the class, DeepSpeed's functions and their
     replacements (by method name), and the ``__init_subclass__`` hook it added to the class (None when the class had
-    one already: DeepSpeed's own, or an earlier set's)."""
+    one already: DeepSpeed's own, or an earlier change's)."""
 
-    patch_set: str  # the PatchSet's name
+    change: str  # the change's name
     cls: type
     originals: Dict[str, Callable]
     replacements: Dict[str, Callable]
     subclass_watch: Optional[object] = None
 
     def ours(self, name: str) -> bool:
-        """Whether the class's attribute ``name`` is still this set's replacement."""
+        """Whether the class's attribute ``name`` is still this change's replacement."""
         return name in self.replacements and self.cls.__dict__.get(name) is self.replacements[name]
 
 
 _lock = threading.RLock()
-#: The patch sets applied in this process, by PatchSet name, in the order they applied; emptied by revert().
+#: The changes applied in this process, by name, in the order they applied; emptied by revert().
 _applied: Dict[str, AppliedPatch] = {}
 _status = PatchStatus(State.NOT_APPLIED, None, "the patch has not been applied in this process")
-
-
-def deepspeed_version() -> Optional[str]:
-    """The version of the DeepSpeed that is (or would be) imported, without importing DeepSpeed itself.
-
-    While ``deepspeed/__init__.py`` runs, ``deepspeed.__version__`` is not set yet; its ``git_version_info`` module
-    is small and answers then. Without DeepSpeed loaded, the installed distribution's metadata answers. None when
-    DeepSpeed is not installed.
-    """
-    module = sys.modules.get("deepspeed")
-    if module is not None:
-        version = getattr(module, "__version__", None)
-        if version is None:
-            try:
-                version = importlib.import_module("deepspeed.git_version_info").version
-            except Exception:
-                version = None
-        if version is not None:
-            return str(version)
-    try:
-        return importlib.metadata.version("deepspeed")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def deepspeed_installed() -> bool:
-    try:
-        return importlib.util.find_spec("deepspeed") is not None
-    except (ImportError, ValueError):  # ValueError: a None or spec-less entry in sys.modules
-        return False
 
 
 def _set(state: State,
          reason: str,
          methods: Optional[Dict[str, str]] = None,
-         grad_norm=None,
-         skipped_step=None) -> "PatchStatus":
-    """Record the status; ``grad_norm`` and ``skipped_step`` are those changes' ``(state, reason)``, kept as they
-    were when None."""
+         others: Optional[Mapping[str, Tuple[State, str]]] = None) -> "PatchStatus":
+    """Record the status; ``others`` gives other changes' ``(state, reason)`` by name, each kept as it was when not
+    given."""
     global _status
-    if grad_norm is None:
-        grad_norm = (_status.grad_norm_on_device, _status.grad_norm_reason)
-    if skipped_step is None:
-        skipped_step = (_status.skipped_step, _status.skipped_step_reason)
-    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}), *grad_norm, *skipped_step)
+    changes = dict(_status.changes)
+    changes.update(others or {})
+    _status = PatchStatus(state, deepspeed_version(), reason, dict(methods or {}), changes)
     return _status
 
 
@@ -136,19 +79,13 @@ def _log_or_raise(what: str, state: State, reason: str, strict: bool) -> None:
         warn_once(message)
 
 
-def _apply_set(cls: type, patch_set):
-    """Let the guard decide on ``patch_set``'s methods of ``cls`` and install its replacements if it says so."""
-    from deepspeed_offload_patch.guard import SKIPPED_STEP, inspect_skipped_step, inspect_target
-
-    version = deepspeed_version() or "unknown"
-    if patch_set is SKIPPED_STEP:
-        decision = inspect_skipped_step(cls, version)
-    else:
-        decision = inspect_target(cls, version, patch_set)
+def _apply_change(cls: type, change: Change):
+    """Let the change decide on its methods of ``cls`` and install its replacements if it says so."""
+    decision = change.decide(change, cls, deepspeed_version() or "unknown")
     if decision.replacements:
-        record = AppliedPatch(patch_set.name, cls, {name: cls.__dict__[name]
-                                                    for name in decision.replacements}, dict(decision.replacements))
-        _applied[patch_set.name] = record
+        record = AppliedPatch(change.name, cls, {name: cls.__dict__[name]
+                                                 for name in decision.replacements}, dict(decision.replacements))
+        _applied[change.name] = record
         for name, replacement in decision.replacements.items():
             setattr(cls, name, replacement)
         for sub in _subclasses(cls):
@@ -157,46 +94,41 @@ def _apply_set(cls: type, patch_set):
     return decision
 
 
-def _patch_module(module: ModuleType, strict: bool, grad_norm: bool) -> PatchStatus:
-    """Apply the fix, the skipped-step fix unless switched off, and the on-device grad norm if ``grad_norm``, to the
-    loaded ZeRO module."""
-    from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP, fix_for
-
-    skipped_step = settings.skipped_step()
+def _patch_module(module: ModuleType, strict: bool, on: Mapping[str, bool]) -> PatchStatus:
+    """Apply the upstream change, and each other change that ``on`` (by name) switches on, to the loaded ZeRO
+    module."""
     with _lock:
         cls = getattr(module, TARGET_CLASS, None)
         if cls is None:
             missing = (State.UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
-            status = _set(*missing,
-                          grad_norm=missing if grad_norm else _left_out(settings.GRAD_NORM),
-                          skipped_step=missing if skipped_step else _left_out(settings.SKIPPED_STEP))
+            status = _set(*missing, others={c.name: missing if on[c.name] else _left_out(c) for c in OTHERS})
         else:
-            form = fix_for(cls)
-            fix = _apply_set(cls, form)
-            methods = dict(fix.methods)
-            states = {}
-            for name, patch_set, on, switch in (("grad_norm", GRAD_NORM, grad_norm, settings.GRAD_NORM),
-                                                ("skipped_step", SKIPPED_STEP, skipped_step, settings.SKIPPED_STEP)):
-                if on:
-                    found = _apply_set(cls, patch_set)
-                    methods.update(found.methods)
-                    states[name] = (found.state, found.reason)
+            found, methods = {}, {}
+            for change in CHANGES:
+                if change.upstream or on[change.name]:
+                    decision = _apply_change(cls, change)
+                    methods.update(decision.methods)
+                    found[change.name] = (decision.state, decision.reason)
                 else:
-                    states[name] = _left_out(switch)
-            status = _set(fix.state, fix.reason, methods, **states)
-    _log_or_raise("the offload overflow flag fix", status.state, status.reason, strict)
+                    found[change.name] = _left_out(change)
+            status = _set(*found.pop(UPSTREAM.name), methods, others=found)
+    _log_or_raise(UPSTREAM.title, status.state, status.reason, strict)
     # One message per cause: a DeepSpeed that the changes refuse for the same reason (its version) is said once.
-    if grad_norm and (status.grad_norm_on_device, status.grad_norm_reason) != (status.state, status.reason):
-        _log_or_raise("the on-device grad norm", status.grad_norm_on_device, status.grad_norm_reason, strict)
-    if skipped_step and (status.skipped_step, status.skipped_step_reason) != (status.state, status.reason):
-        _log_or_raise("the skipped-step fix", status.skipped_step, status.skipped_step_reason, strict)
+    for change in OTHERS:
+        if on[change.name] and status.of(change) != (status.state, status.reason):
+            _log_or_raise(change.title, *status.of(change), strict)
     return status
 
 
-def _left_out(switch: str) -> tuple:
+def _left_out(change: Change) -> tuple:
     """The state of a default-on change that its switch (or ``UPSTREAM_ONLY``) leaves out."""
-    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{switch}=0"
+    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{change.switch}=0"
     return (State.OFF, f"{which}: left out")
+
+
+def _switched_on() -> Dict[str, bool]:
+    """Whether each other change is on, by name, as the switches say."""
+    return {change.name: settings.change_on(change) for change in OTHERS}
 
 
 def _restore(module: ModuleType) -> None:
@@ -265,7 +197,7 @@ def _target_failed(exc: BaseException) -> PatchStatus:
     status = _set(
         State.UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
         f"when an import of it succeeds")
-    _log_or_raise("the offload overflow flag fix", status.state, status.reason, strict=False)
+    _log_or_raise(UPSTREAM.title, status.state, status.reason, strict=False)
     return status
 
 
@@ -281,7 +213,7 @@ def _on_target_import(module: ModuleType) -> None:
     """The lazy hook: patch as DeepSpeed's ZeRO module is imported. Never breaks that import unless strict."""
     strict = settings.strict()
     try:
-        _patch_module(module, strict, settings.grad_norm())
+        _patch_module(module, strict, _switched_on())
     except PatchError:
         raise
     except Exception as exc:  # a bug here must not stop training
@@ -303,7 +235,7 @@ def patch_on_import() -> PatchStatus:
             return _set(State.NOT_APPLIED, f"{settings.AUTO}=0: importing the package patches nothing; apply() does")
         if not deepspeed_installed():
             status = _set(State.DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
-            warn_once(f"the offload overflow flag fix not applied ({status.state}): {status.reason}; pip install "
+            warn_once(f"{UPSTREAM.title} not applied ({status.state}): {status.reason}; pip install "
                       f"deepspeed, then import deepspeed_offload_patch again in a new process")
             return status
         if TARGET_MODULE not in sys.modules:
@@ -312,22 +244,28 @@ def patch_on_import() -> PatchStatus:
         return _status
 
 
-def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
+def apply(changes: Optional[Mapping[str, bool]] = None) -> PatchStatus:
     """Patch DeepSpeed now, importing its ZeRO module if needed. A second call changes nothing.
 
-    ``grad_norm_on_device`` (default: ``DS_OFFLOAD_PATCH_GRAD_NORM``, on unless it is 0) says whether to apply the
-    on-device gradient norm too; ``False`` does not undo one already applied (``revert()`` does).
+    ``changes`` says, by change name (:data:`deepspeed_offload_patch.changes.OTHERS`), whether to apply each change beside the upstream one, which is always applied; a change it does
+    not name follows its switch (on unless the switch is 0 or ``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1``). ``False`` does
+    not undo a change already applied (``revert()`` does).
 
     Returns the status: ``applied`` on success; ``upstream-fixed``, ``unsupported`` or ``conflict`` (with one
-    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``. The grad norm's own
-    state is in ``grad_norm_on_device``.
+    WARNING, DeepSpeed untouched) otherwise; ``disabled`` under ``DS_OFFLOAD_PATCH_DISABLE=1``. Each other change's
+    state is in ``status.changes``.
 
     Raises:
         ImportError: DeepSpeed is not installed (the message names the ``deepspeed`` package).
+        LookupError: ``changes`` names no change of this package, or the upstream one.
         PatchError: the patch cannot apply, or DeepSpeed's ZeRO module fails to import, and
             ``DS_OFFLOAD_PATCH_STRICT=1`` is set. Without strict mode, a failing import is reported as
             ``unsupported`` (the reason names the exception) with one WARNING.
     """
+    unknown = sorted(set(changes or {}) - {change.name for change in OTHERS})
+    if unknown:
+        raise LookupError(f"apply(): no change to switch is called {', '.join(unknown)} (changes: "
+                          f"{', '.join(change.name for change in OTHERS)})")
     with _lock:
         if settings.disabled():
             return _set(State.DISABLED, f"{settings.DISABLE} is set")
@@ -343,12 +281,11 @@ def apply(grad_norm_on_device: Optional[bool] = None) -> PatchStatus:
         with _lock:
             status = _target_failed(exc)
         if settings.strict():
-            raise PatchError(f"the offload overflow flag fix not applied: {status.reason}") from exc
+            raise PatchError(f"{UPSTREAM.title} not applied: {status.reason}") from exc
         return status
     with _lock:
         import_hook.cancel(TARGET_MODULE)
-        grad_norm = settings.grad_norm() if grad_norm_on_device is None else grad_norm_on_device
-        return _patch_module(module, settings.strict(), grad_norm)
+        return _patch_module(module, settings.strict(), {**_switched_on(), **(changes or {})})
 
 
 def revert() -> PatchStatus:
@@ -363,57 +300,55 @@ def revert() -> PatchStatus:
         if not _applied or module is None:
             return _set(State.REVERTED,
                         "the pending patch was cancelled") if _status.state == State.PENDING else status()
-        had_grad_norm = _status.grad_norm_on_device == State.APPLIED
-        had_skipped_step = _status.skipped_step == State.APPLIED
+        had = [change.name for change in OTHERS if _status.of(change)[0] == State.APPLIED]
         _restore(module)
         restored = (State.REVERTED, "revert() restored DeepSpeed's original method")
         return _set(State.REVERTED,
                     "revert() restored DeepSpeed's original methods",
-                    grad_norm=restored if had_grad_norm else None,
-                    skipped_step=restored if had_skipped_step else None)
+                    others=dict.fromkeys(had, restored))
 
 
 def is_applied() -> bool:
-    """True when both methods of the fix (in the form the loaded DeepSpeed has) are this package's replacements right
-    now (the grad norm and the skipped-step fix aside)."""
-    from deepspeed_offload_patch.guard import fix_methods
+    """True when the upstream change's methods (in the form the loaded DeepSpeed has) are this package's replacements
+    right now (the other changes aside)."""
+    return _still_applied(UPSTREAM)
 
-    module = sys.modules.get(TARGET_MODULE)
-    cls = getattr(module, TARGET_CLASS, None)
-    if cls is None:
-        return False
-    return all(_still_ours(name) for name in fix_methods(cls))
+
+def _still_applied(change: Change) -> bool:
+    """Whether ``change``'s methods, in the loaded class's form, are all still its replacements."""
+    cls = getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
+    return cls is not None and all(_still_ours(name) for name in change.form_for(cls).methods)
 
 
 def status() -> PatchStatus:
-    """The current status. Reports ``conflict`` (for the fix, the grad norm or the skipped-step fix) if someone
-    replaced a patched method after the patch applied."""
+    """The current status. Reports ``conflict`` (for any change) if someone replaced a patched method after the patch
+    applied."""
     with _lock:
-        current = PatchStatus(**_status.as_dict())
+        current = PatchStatus(_status.state, _status.deepspeed_version, _status.reason, dict(_status.methods),
+                              dict(_status.changes))
         if current.state == State.APPLIED and not is_applied():
             current.state = State.CONFLICT
             current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
-        if State.APPLIED in (current.grad_norm_on_device, current.skipped_step):
-            from deepspeed_offload_patch.guard import GRAD_NORM, SKIPPED_STEP
-
-            for state, reason, patch_set in (("grad_norm_on_device", "grad_norm_reason", GRAD_NORM),
-                                             ("skipped_step", "skipped_step_reason", SKIPPED_STEP)):
-                if getattr(current, state) == State.APPLIED and not all(map(_still_ours, patch_set.methods)):
-                    setattr(current, state, State.CONFLICT)
-                    setattr(
-                        current, reason, f"{TARGET_CLASS}.{', '.join(patch_set.methods)} was replaced by "
-                        "someone else after the patch applied")
+        for change in OTHERS:
+            if current.of(change)[0] == State.APPLIED and not _still_applied(change):
+                current.changes[change.name] = (
+                    State.CONFLICT, f"{TARGET_CLASS}.{', '.join(change.form_for(_loaded_class()).methods)} was "
+                    "replaced by someone else after the patch applied")
         return current
 
 
+def _loaded_class() -> Optional[type]:
+    return getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
+
+
 def originals() -> Dict[str, Callable]:
-    """DeepSpeed's own functions that the applied patch sets replaced, by method name (a copy; empty before the patch
+    """DeepSpeed's own functions that the applied changes replaced, by method name (a copy; empty before the patch
     applies and after ``revert()``)."""
     with _lock:
         return {name: original for record in _applied.values() for name, original in record.originals.items()}
 
 
 def _still_ours(name: str) -> bool:
-    """Whether method ``name`` of the loaded DeepSpeed's class is still the replacement an applied set installed."""
-    cls = getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
+    """Whether method ``name`` of the loaded DeepSpeed's class is still the replacement an applied change installed."""
+    cls = _loaded_class()
     return cls is not None and any(record.cls is cls and record.ours(name) for record in _applied.values())

@@ -8,18 +8,14 @@ import os
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
 #: ``1``: raise :class:`~deepspeed_offload_patch.PatchError` instead of warning when the patch cannot apply.
 STRICT = "DS_OFFLOAD_PATCH_STRICT"
-#: ``0``: leave out the on-device gradient norm for ``step()`` (DeepSpeed's per-tensor host reads stay). On by default.
-GRAD_NORM = "DS_OFFLOAD_PATCH_GRAD_NORM"
 #: ``0``: importing the package does not patch (state ``not-applied``); ``apply()`` still does. On by default.
 AUTO = "DS_OFFLOAD_PATCH_AUTO"
-#: ``0``: leave out the skipped-step fix (a skipped step's gradient kept in DeepSpeed 0.19.8's compact fp32 buffer).
-#: On by default where DeepSpeed has that defect.
-SKIPPED_STEP = "DS_OFFLOAD_PATCH_SKIPPED_STEP"
 #: ``1`` (CI's, not the package's): the release tests fail, instead of skipping, on a supported Python this machine
 #: lacks (``tests/release/test_pythons.py``; ``.ci/run`` sets it).
 ALL_PYTHONS = "DS_OFFLOAD_PATCH_ALL_PYTHONS"
-#: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: the
-#: skipped-step fix and the on-device grad norm stay off whatever their own switches say.
+#: ``1``: exactly the change of DeepSpeed pull request 8963 (the overflow flag on the device) and nothing else: every
+#: other change stays off whatever its own switch says. Each of those has its own switch, ``0`` to leave it out: its
+#: name in capitals after :data:`NAME_PREFIX` (:attr:`deepspeed_offload_patch.changes.record.Change.switch`).
 UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"
 #: What every switch's name starts with (messages that speak of them all: ``DS_OFFLOAD_PATCH_*``).
 NAME_PREFIX = "DS_OFFLOAD_PATCH_"
@@ -72,24 +68,19 @@ def strict() -> bool:
     return flag(STRICT, odd_means="not strict: a patch that cannot apply warns instead of raising")
 
 
-def grad_norm() -> bool:
-    """Whether to apply the on-device gradient norm: unless ``DS_OFFLOAD_PATCH_GRAD_NORM`` is false or
-    ``DS_OFFLOAD_PATCH_UPSTREAM_ONLY`` is true. An odd value reads as off (DeepSpeed's own method), with a warning."""
-    return not upstream_only() and flag(
-        GRAD_NORM, odd=False, unset=True, odd_means="so the on-device gradient norm "
-        "is left out")
-
-
 def upstream_only() -> bool:
     """An odd value reads as 1: the fewer changes."""
     return flag(UPSTREAM_ONLY, odd=True, odd_means="which applies only the upstream change")
 
 
-def skipped_step() -> bool:
-    """Whether to apply the skipped-step fix: unless ``DS_OFFLOAD_PATCH_SKIPPED_STEP`` is false or
-    ``DS_OFFLOAD_PATCH_UPSTREAM_ONLY`` is true. An odd value of either reads as the one that leaves DeepSpeed as it is
-    without this fix (off), with a warning."""
-    return not upstream_only() and flag(SKIPPED_STEP, odd=False, unset=True, odd_means="which leaves this fix out")
+def change_on(change) -> bool:
+    """Whether to apply ``change`` (a :class:`~deepspeed_offload_patch.changes.record.Change`): the upstream change
+    always (``DS_OFFLOAD_PATCH_DISABLE`` aside); any other unless its switch is false or ``UPSTREAM_ONLY`` is true. An
+    odd value of either reads as the one that leaves the change out, with a warning."""
+    if change.switch is None:
+        return True
+    return not upstream_only() and flag(
+        change.switch, odd=False, unset=True, odd_means=f"so {change.title} is left out")
 
 
 def auto() -> bool:

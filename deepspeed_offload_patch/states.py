@@ -1,6 +1,6 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""The states of a change (the fix, the skipped-step fix, the on-device grad norm), as ``status()`` reports them.
+"""The states of a change (each record of :mod:`deepspeed_offload_patch.changes`), as ``status()`` reports them.
 
 The one vocabulary of the package, its CLI, the pytest plugin and CI: nothing else spells a state. A :class:`State`
 is a ``str`` whose value is the word printed and written to JSON (``status --json``), so comparing one with the plain
@@ -47,7 +47,3 @@ class State(str, enum.Enum):
 
 #: States in which DeepSpeed's offload overflow check does not synchronize the host per gradient.
 GOOD_STATES = (State.APPLIED, State.UPSTREAM_FIXED)
-#: States of the skipped-step fix in which a skipped step leaves no gradient behind, or the user chose otherwise.
-SKIPPED_STEP_GOOD_STATES = (State.APPLIED, State.UPSTREAM_FIXED, State.NOT_NEEDED, State.OFF)
-#: States of the on-device grad norm in which step() makes no host read per tensor, or the user chose otherwise.
-GRAD_NORM_GOOD_STATES = (State.APPLIED, State.UPSTREAM_FIXED, State.OFF)

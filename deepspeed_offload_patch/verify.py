@@ -6,15 +6,16 @@ A tiny ZeRO-2 engine with the optimizer offloaded to the CPU (world size 1, in a
 accelerator, or the GPU DeepSpeed finds), in bf16 (fp16 before DeepSpeed 0.17.1, where only fp16 reads the overflow
 flag), trains a few steps with each boundary backward under
 :func:`~deepspeed_offload_patch.testing.no_host_sync`, then a NaN gradient must make it skip a step and leave the
-parameters unchanged. Where DeepSpeed accumulates fp32 gradients in a compact buffer (0.19.8) and the skipped-step
-fix is on, a second engine with ``grad_accum_dtype: fp32`` gets a NaN at one step and must skip it and update the
-parameters at the next (unfixed, that step and every later one are skipped). Returns 0 when all hold, 1 otherwise.
+parameters unchanged. Then each change that is neither ``not-needed`` nor ``off`` runs the checks its record names
+(:data:`CHECKS`): ``step-after-a-skip``, a second engine with ``grad_accum_dtype: fp32`` that gets a NaN at one step
+and must skip it and update the parameters at the next. Returns 0 when all hold, 1 otherwise.
 """
 
 from typing import Any, Dict
 
 import torch
 
+from deepspeed_offload_patch.changes import OTHERS
 from deepspeed_offload_patch.states import State
 
 GRAD_ACCUM = 2
@@ -58,9 +59,15 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
     after = params_snapshot(engine)
     report["nan_skipped"] = engine.skipped_steps == skipped + 1
     report["unchanged"] = all(torch.equal(after[name], value) for name, value in before.items())
-    report["skipped_step"] = dop.status().skipped_step
-    if report["skipped_step"] not in (State.NOT_NEEDED, State.OFF):
-        report["next_step"] = _step_after_a_skip(precision)
+    status = dop.status()
+    report["checks"] = {}
+    for change in OTHERS:
+        state = status.of(change)[0]
+        if state not in (State.NOT_NEEDED, State.OFF):
+            for check in change.verify_checks:
+                report["checks"][check] = (change.label, state, CHECKS[check][0](precision))
+    report["unchecked"] = [(change.label, status.of(change)[0]) for change in OTHERS
+                           if change.verify_checks and status.of(change)[0] in (State.NOT_NEEDED, State.OFF)]
     return report
 
 
@@ -91,6 +98,15 @@ def _step_after_a_skip(precision: str) -> Dict[str, bool]:
     }
 
 
+#: The checks a change can name in its record's ``verify_checks``: the function run in the rank (given the
+#: precision; it returns ``{finding: bool}``, all true when it passes), what it proves, and what its failure shows.
+CHECKS = {
+    "step-after-a-skip":
+    (_step_after_a_skip, "with fp32 gradient accumulation, the step after a skipped one updates the parameters",
+     "with fp32 gradient accumulation, the step after a skipped one did not update the parameters"),
+}
+
+
 def verify(steps: int = 3) -> int:
     """Run the check and print one line per finding. Returns the process exit code (0 pass, 1 fail)."""
     from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, DistributedFailure, run_distributed
@@ -112,13 +128,11 @@ def verify(steps: int = 3) -> int:
               f"unchanged: {report['unchanged']})")
         return 1
     print("verify: ok: a NaN gradient skips the step and leaves the parameters unchanged")
-    if "next_step" not in report:
-        print(f"verify: the skipped-step fix is {report['skipped_step']}: nothing more to check")
-        return 0
-    found = report["next_step"]
-    if not all(found.values()):
-        print(f"verify: FAIL: with fp32 gradient accumulation, the step after a skipped one did not update the "
-              f"parameters (skipped-step fix {report['skipped_step']}; {found})")
-        return 1
-    print("verify: ok: with fp32 gradient accumulation, the step after a skipped one updates the parameters")
+    for label, state in report["unchecked"]:
+        print(f"verify: the {label} is {state}: nothing more to check")
+    for check, (label, state, found) in report["checks"].items():
+        if not all(found.values()):
+            print(f"verify: FAIL: {CHECKS[check][2]} ({label} {state}; {found})")
+            return 1
+        print(f"verify: ok: {CHECKS[check][1]}")
     return 0

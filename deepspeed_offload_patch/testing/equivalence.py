@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed_offload_patch import settings
+from deepspeed_offload_patch.changes import OTHERS
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.installed import flag_is_read, per_param_tracker
@@ -61,11 +62,14 @@ UPSTREAM_ONLY = "upstream-only"
 COMPACT_BUFFER = "DS_OFFLOAD_TEST_COMPACT_BUFFER"
 #: Read in each rank of the harness: ``1`` zeroes the compact gradient buffers after each skipped step.
 CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
+# Every change on (each by its own switch), nothing else set.
 _SWITCHES = {
     settings.DISABLE: "0",
     settings.STRICT: "0",
-    settings.GRAD_NORM: "1",
-    settings.SKIPPED_STEP: "1",
+    **{
+        change.switch: "1"
+        for change in OTHERS
+    },
     settings.UPSTREAM_ONLY: "0",
     COMPACT_BUFFER: "1",
     CLEAR_AFTER_SKIP: "0",
@@ -486,14 +490,14 @@ def _train(run: Run, save_dir: Optional[str], load_dir: Optional[str]) -> Dict[s
 
 
 def method_origins() -> Dict[str, str]:
-    """The module each of the fix's two methods of ``DeepSpeedZeroOptimizer`` comes from right now."""
+    """The module each of the upstream change's methods of ``DeepSpeedZeroOptimizer`` comes from right now."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from deepspeed_offload_patch.guard import fix_methods
+    from deepspeed_offload_patch.changes import UPSTREAM
 
     return {
         name: getattr(DeepSpeedZeroOptimizer.__dict__[name], "__module__", "?")
-        for name in fix_methods(DeepSpeedZeroOptimizer)
+        for name in UPSTREAM.form_for(DeepSpeedZeroOptimizer).methods
     }
 
 

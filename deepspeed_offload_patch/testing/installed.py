@@ -13,9 +13,9 @@ def per_param_tracker() -> bool:
     ``update_overflow_tracker_for_param_grad(param)`` (patched or not)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from deepspeed_offload_patch.guard import OVERFLOW_FLAG_PER_PARAM, fix_for
+    from deepspeed_offload_patch.changes import UPSTREAM
 
-    return fix_for(DeepSpeedZeroOptimizer) is OVERFLOW_FLAG_PER_PARAM
+    return UPSTREAM.form_for(DeepSpeedZeroOptimizer) is UPSTREAM.forms[0]
 
 
 def flag_is_read(precision: str) -> bool:

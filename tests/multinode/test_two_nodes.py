@@ -44,7 +44,7 @@ REACH = os.path.join(HERE, "reach.py")
 WORLD = 4
 STEPS = 2
 DISABLE = "DS_OFFLOAD_PATCH_DISABLE"
-PATCHED_MODULE = "deepspeed_offload_patch.overflow"
+PATCHED_MODULE = "deepspeed_offload_patch.changes.overflow_flag.methods"
 ORIGINAL_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 
 _launches: Dict[str, Dict[str, Any]] = {}

@@ -87,6 +87,6 @@ def test_the_upstream_report_s_diff_applies_to_0_19_8_and_is_the_package_s_chang
     (tmp_path / "change.diff").write_text(diff)
     done = subprocess.run(["git", "apply", "change.diff"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    shipped = open(os.path.join(ROOT, "patches", "skipped-step-buffer", "stage_1_and_2-0.19.8.diff")).read()
+    shipped = open(os.path.join(ROOT, "patches", "skipped-step", "stage_1_and_2-0.19.8.diff")).read()
     added = [line for line in shipped.splitlines() if line.startswith("+ ") and "# The form of" not in line]
     assert added == [line for line in diff.splitlines() if line.startswith("+ ")]

@@ -20,19 +20,20 @@ def test_old_release_is_left_untouched_with_one_warning():
         import deepspeed_offload_patch as dop
         import deepspeed
         from deepspeed.runtime.zero import stage_1_and_2
-        from deepspeed_offload_patch import guard
+        from deepspeed_offload_patch.changes import CHANGES, by_name
         status = dop.status()
         assert status.state == "unsupported", status
         assert not dop.is_applied()
         cls = stage_1_and_2.DeepSpeedZeroOptimizer
         # The fix's methods stay DeepSpeed's own. The skipped-step fix and the grad norm decide on methods of their
         # own: where those are a known form (truth-test keeps 0.19.8's) they apply, and say so in their own states.
-        skipped_step = set(guard.SKIPPED_STEP.methods) if status.skipped_step == "applied" else set()
-        grad_norm = set(guard.GRAD_NORM.methods) if status.grad_norm_on_device == "applied" else set()
-        for name in set(guard.ALL_METHODS + ("update_overflow_tracker_for_param_grad", )) - skipped_step - grad_norm:
-            func = cls.__dict__.get(name)
-            assert func is None or func.__code__.co_filename == stage_1_and_2.__file__, name
-            assert all(func is not ours for _, ours in guard.replacements(name)), name
+        skipped_step = set(by_name("skipped-step").method_names) if status.skipped_step == "applied" else set()
+        grad_norm = set(by_name("grad-norm").method_names) if status.grad_norm_on_device == "applied" else set()
+        for change in CHANGES:
+            for name in set(change.method_names) - skipped_step - grad_norm:
+                func = cls.__dict__.get(name)
+                assert func is None or func.__code__.co_filename == stage_1_and_2.__file__, name
+                assert all(func is not ours for _, ours in change.replacements(name)), name
         assert status.skipped_step in ("applied", "not-needed", "unsupported"), status
         assert status.grad_norm_on_device in ("applied", "unsupported"), status
         print("version", deepspeed.__version__, "version")

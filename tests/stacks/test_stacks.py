@@ -15,7 +15,7 @@ nothing of it):
 
 Each patched run (they follow ``DS_OFFLOAD_PATCH_DISABLE``: the red/green run of the ``stacks`` session shows them
 failing without the patch) must report on every rank: state ``applied``, both of the fix's methods from
-``deepspeed_offload_patch.overflow``, 0 host syncs in every boundary backward, and the losses and parameter digests
+``deepspeed_offload_patch.changes.overflow_flag.methods``, 0 host syncs in every boundary backward, and the losses and parameter digests
 of every step bit-identical to the reference's (the runs are deterministic on the CPU). So the patch reaches the
 ranks each launcher starts, removes the syncs there, and changes nothing else of the training. And the configs HF
 Trainer and Accelerate generate for such a job (``ci/gen_configs.py``) read as affected and fixed in ``ds-offload-patch
@@ -46,7 +46,7 @@ PROBE_DIR = os.path.join(HERE, "probe")
 BIN = os.path.dirname(sys.executable)
 STEPS = 4
 WORLD_SIZE = 2
-PATCHED_MODULE = "deepspeed_offload_patch.overflow"
+PATCHED_MODULE = "deepspeed_offload_patch.changes.overflow_flag.methods"
 ORIGINAL_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 REFERENCE, LAUNCHER, IMPORT = "reference", "launcher", "import"
 PATCHED_MODES = (LAUNCHER, IMPORT)

@@ -38,7 +38,7 @@ def _config(path, **changes):
 
 
 def _status(state="applied", skipped_step="applied", grad_norm="applied", version="0.19.8"):
-    return PatchStatus(state, version, "", {}, grad_norm, "", skipped_step, "")
+    return PatchStatus(state, version, "", {}, {"grad-norm": (grad_norm, ""), "skipped-step": (skipped_step, "")})
 
 
 def _verdicts(config, status):

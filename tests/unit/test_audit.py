@@ -298,7 +298,7 @@ def test_cuda_counts_come_from_a_profiler_around_each_call(audit_state, monkeypa
                         lambda: started.append(1) or profile(activities=[ProfilerActivity.CPU]))
     train(engine_class, steps=2)
     report = auditor._state.report(0, 1)
-    assert report["cuda_syncs"] == [{phase: 0 for phase in auditor.PHASES}] * 2 and len(started) == 12
+    assert report["cuda_syncs"] == [{phase: 0 for phase in audit_report.PHASES}] * 2 and len(started) == 12
     assert re.search(r"^cuda( +0){10}$", audit_report.table([report]), re.M), audit_report.table([report])
 
 

@@ -18,7 +18,7 @@ from unit.common import run_command
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The first DeepSpeed release whose logger is at WARNING (0.14.0 - 0.17.5 log at INFO).
 FIRST_WARNING_LOGGER = "0.17.6"
-INFO_LINE = "[deepspeed_offload_patch] the offload overflow flag fix: applied"
+INFO_LINE = "[deepspeed_offload_patch] the overflow flag fix: applied"
 NO_DEEPSPEED = 'import sys\nsys.modules["deepspeed"] = None  # as if DeepSpeed were not installed\n'
 
 

@@ -254,7 +254,10 @@ def test_the_gate_fails_on_a_default_change_that_cannot_apply():
     from deepspeed_offload_patch.patcher import PatchStatus
 
     def status(grad_norm="applied", skipped_step="applied"):
-        return PatchStatus("applied", "0.19.8", "", {}, grad_norm, "", skipped_step, "")
+        return PatchStatus("applied", "0.19.8", "", {}, {
+            "grad-norm": (grad_norm, ""),
+            "skipped-step": (skipped_step, "")
+        })
 
     assert status_exit_code(status()) == 0
     assert status_exit_code(status(grad_norm="off")) == 0  # switched off by its user

@@ -145,8 +145,8 @@ def test_the_reason_for_a_later_build_is_the_one_releases_md_shows():
     the guard gives exactly that text for the installed DeepSpeed's class (the default suite's 0.19.8), unpatched."""
     program = """
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-from deepspeed_offload_patch.guard import OVERFLOW_FLAG, inspect_target
-print(inspect_target(DeepSpeedZeroOptimizer, "0.19.9", OVERFLOW_FLAG).reason)
+from deepspeed_offload_patch.changes import UPSTREAM
+print(UPSTREAM.decide(UPSTREAM, DeepSpeedZeroOptimizer, "0.19.9").reason)
 """
     result = run_command([sys.executable, "-c", program], env={"DS_OFFLOAD_PATCH_DISABLE": "1"})
     assert result.returncode == 0, result

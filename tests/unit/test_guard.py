@@ -9,43 +9,42 @@ import textwrap
 
 import pytest
 
-from deepspeed_offload_patch import guard, overflow
+from deepspeed_offload_patch import guard
+from deepspeed_offload_patch.changes import CHANGES, UPSTREAM
+from deepspeed_offload_patch.changes.overflow_flag import methods as overflow
+from deepspeed_offload_patch.changes.overflow_flag.probe import probe_tracker
 from deepspeed_offload_patch.fingerprints import UNFIXED
 from deepspeed_offload_patch.releases import PATCHED_RELEASES
 
 
 def test_every_recorded_form_has_exactly_one_replacement():
-    witnesses = {name for patch_set in guard.PATCH_SETS for name in patch_set.witnesses}
-    for name, forms in UNFIXED.items():
-        if name in witnesses:  # read, not replaced
-            continue
-        for digest, releases in forms.items():
-            assert guard.replacement_for(name, digest) is not None, (name, releases)
-            matching = [
-                spec for spec, _ in guard.replacements(name) if all(
-                    guard.SpecifierSet(spec).contains(v) for v in releases)
-            ]
-            assert len(matching) == 1, (name, releases, matching)
-        covered = sorted({v for releases in forms.values() for v in releases}, key=guard.Version)
-        sets = [patch_set for patch_set in guard.PATCH_SETS if name in patch_set.methods]
-        expected = [v for v in PATCHED_RELEASES if any(guard.SpecifierSet(p.releases).contains(v) for p in sets)]
-        assert covered == expected, name
+    for change in CHANGES:
+        witnesses = {name for form in change.forms for name in form.witnesses}
+        for name in set(change.method_names) - witnesses:  # witnesses are read, not replaced
+            for digest, releases in UNFIXED[name].items():
+                assert guard.replacement_for(change, name, digest) is not None, (name, releases)
+                # Every release of that form has the same replacement for it.
+                functions = {dict(change.form_of(v).functions)[name] for v in releases}
+                assert len(functions) == 1, (name, releases, functions)
+            covered = sorted({v for releases in UNFIXED[name].values() for v in releases}, key=guard.Version)
+            expected = [v for v in PATCHED_RELEASES if change.form_of(v) and name in change.form_of(v).methods]
+            assert covered == expected, name
 
 
-def test_every_release_has_one_form_of_the_fix():
-    for version in PATCHED_RELEASES:
-        forms = [p for p in guard.FIX_FORMS if guard.SpecifierSet(p.releases).contains(version)]
-        assert len(forms) == 1, (version, forms)
-        assert all(version in releases for name in forms[0].methods for releases in UNFIXED[name].values()
-                   if version in releases)
-        assert all(any(version in releases for releases in UNFIXED[name].values()) for name in forms[0].methods)
+def test_every_release_has_at_most_one_form_of_each_change_and_one_of_the_upstream_change():
+    for change in CHANGES:
+        for version in PATCHED_RELEASES:
+            forms = [form for form in change.forms if guard.SpecifierSet(form.releases).contains(version)]
+            assert len(forms) <= 1 and (forms or not change.upstream), (change.name, version, forms)
+            for form in forms:
+                assert all(any(version in releases for releases in UNFIXED[name].values()) for name in form.methods)
 
 
 def test_installed_deepspeed_is_a_recorded_unfixed_form():
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed_offload_patch import patcher
-    for name in guard.fix_methods(DeepSpeedZeroOptimizer):
+    for name in UPSTREAM.form_for(DeepSpeedZeroOptimizer).methods:
         original = patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
         releases = UNFIXED[name][guard.fingerprint(original)]
         # A build newer than the releases tested (0.19.9 from 0.19.8's sdist) has one of their forms.
@@ -86,7 +85,7 @@ def test_a_release_with_the_fixed_form_is_upstream_fixed(tmp_path):
     fixed = textwrap.dedent(inspect.getsource(overflow.update_offload_overflow_tracker)) + "\n" + textwrap.dedent(
         inspect.getsource(overflow.has_overflow))
     cls = _synthetic_class(tmp_path, "synthetic_fixed", fixed)
-    decision = guard.inspect_target(cls, "0.20.0")
+    decision = guard.decide_by_methods(UPSTREAM, cls, "0.20.0")
     assert decision.state == "upstream-fixed" and decision.replacements == {}, decision
 
 
@@ -95,11 +94,11 @@ def test_an_unknown_form_is_unsupported(tmp_path):
                "def has_overflow(self, partition_gradients=True):\n    return self.local_overflow\n")
     cls = _synthetic_class(tmp_path, "synthetic_changed", changed)
     for version in ("0.19.8", "0.20.0"):
-        decision = guard.inspect_target(cls, version)
+        decision = guard.decide_by_methods(UPSTREAM, cls, version)
         assert decision.state == "unsupported" and decision.replacements == {}, decision
         # Read by an interpreter that digests the package's own code as recorded: DeepSpeed's code is the unknown.
         assert "not the code this patch was built for" in decision.reason and "Python" not in decision.reason
-    assert guard.inspect_target(cls, "0.19.8").methods == {
+    assert guard.decide_by_methods(UPSTREAM, cls, "0.19.8").methods == {
         "update_offload_overflow_tracker": guard.MISMATCH,
         "has_overflow": guard.MISMATCH
     }
@@ -111,13 +110,13 @@ def _unfixed_sources() -> str:
     from deepspeed_offload_patch import patcher
     return "\n".join(
         textwrap.dedent(inspect.getsource(patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])))
-        for name in guard.fix_methods(DeepSpeedZeroOptimizer))
+        for name in UPSTREAM.form_for(DeepSpeedZeroOptimizer).methods)
 
 
 @pytest.mark.parametrize("version", ["0.19.9", "0.20.0.dev0", "0.21.0+abc123"])
 def test_a_newer_version_with_a_known_form_is_patched_and_says_so(tmp_path, version):
     cls = _synthetic_class(tmp_path, f"synthetic_newer_{abs(hash(version))}", _unfixed_sources())
-    decision = guard.inspect_target(cls, version)
+    decision = guard.decide_by_methods(UPSTREAM, cls, version)
     assert decision.state == "applied" and len(decision.replacements) == 2, decision
     assert f"DeepSpeed {version} is newer than the releases tested ({guard.FIRST} to {guard.LAST})" in decision.reason
     assert "match the unfixed form of DeepSpeed" in decision.reason, decision.reason
@@ -126,14 +125,14 @@ def test_a_newer_version_with_a_known_form_is_patched_and_says_so(tmp_path, vers
 @pytest.mark.parametrize("version", ["0.13.5", "0.12.6"])
 def test_an_older_version_is_unsupported_whatever_its_form(tmp_path, version):
     cls = _synthetic_class(tmp_path, f"synthetic_older_{abs(hash(version))}", _unfixed_sources())
-    decision = guard.inspect_target(cls, version)
+    decision = guard.decide_by_methods(UPSTREAM, cls, version)
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert f"older than the first supported release {guard.FIRST}" in decision.reason, decision.reason
 
 
 def test_an_unparsable_version_is_unsupported_and_said_so(tmp_path):
     cls = _synthetic_class(tmp_path, "synthetic_unparsable", _unfixed_sources())
-    decision = guard.inspect_target(cls, "not-a-version")
+    decision = guard.decide_by_methods(UPSTREAM, cls, "not-a-version")
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert "'not-a-version' cannot be parsed as a version" in decision.reason, decision.reason
     assert "older" not in decision.reason, decision.reason
@@ -234,8 +233,8 @@ def update_offload_overflow_tracker(self, grad):
 def test_a_fix_in_other_words_is_upstream_fixed(tmp_path, name, version):
     cls = _synthetic_class(tmp_path, f"synthetic_fixed_{name.replace('-', '_')}_{version.replace('.', '_')}",
                            FIXED_TRACKERS[name] + FIXED_HAS_OVERFLOW)
-    assert guard.probe_tracker(cls) is None
-    decision = guard.inspect_target(cls, version)
+    assert probe_tracker(cls) is None
+    decision = guard.decide_by_methods(UPSTREAM, cls, version)
     assert decision.state == "upstream-fixed" and decision.replacements == {}, decision
     assert decision.methods["update_offload_overflow_tracker"] == guard.FIXED, decision
 
@@ -244,8 +243,8 @@ def test_a_fix_in_other_words_is_upstream_fixed(tmp_path, name, version):
 def test_a_tracker_that_still_reads_the_host_is_unsupported(tmp_path, name):
     cls = _synthetic_class(tmp_path, f"synthetic_unfixed_{name.replace('-', '_')}",
                            UNFIXED_TRACKERS[name] + FIXED_HAS_OVERFLOW)
-    assert guard.probe_tracker(cls) is not None
-    decision = guard.inspect_target(cls, "0.20.0")
+    assert probe_tracker(cls) is not None
+    decision = guard.decide_by_methods(UPSTREAM, cls, "0.20.0")
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert decision.methods["update_offload_overflow_tracker"] == guard.MISMATCH, decision
 
@@ -254,4 +253,4 @@ def test_the_probe_finds_this_package_s_tracker_fixed(tmp_path):
     """The probe's idea of fixed is the patch's: our own tracker, compiled as DeepSpeed's, passes it."""
     source = textwrap.dedent(inspect.getsource(overflow.update_offload_overflow_tracker)) + FIXED_HAS_OVERFLOW
     cls = _synthetic_class(tmp_path, "synthetic_ours", source)
-    assert guard.probe_tracker(cls) is None
+    assert probe_tracker(cls) is None

@@ -11,21 +11,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGE = "deepspeed_offload_patch"
 
 FLOORS = {
-    # What DeepSpeed's methods are replaced with, the data, and mechanisms that know nothing of the rest.
-    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "overflow",
-        "grad_norm", "skipped_step", "testing.launch", "audit.report", "states"),
-    # The switches; the decision whether to patch; the launch of a patched command (DeepSpeed's shm op built first,
-    # its /dev/shm files removed after).
-    1: ("settings", "guard", "launcher"),
-    2: ("patcher", ),  # applies and reverts, keeps the status
+    # What DeepSpeed's methods are replaced with (each change's ``methods``), the data, and mechanisms that know
+    # nothing of the rest.
+    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
+        "audit.report", "states", "changes.overflow_flag.methods", "changes.grad_norm.methods",
+        "changes.skipped_step.methods"),
+    # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
+    # after); the behavioural probes of the changes that have one.
+    1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe", "audit.counts"),
+    2: ("changes.record", ),  # what a change declares
+    3: ("guard", ),  # the decision whether to patch, given a change
+    4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step"),  # one record each
+    5: ("changes", ),  # the registry
+    6: ("patch_status", ),  # what status() reports
+    7: ("patcher", ),  # applies and reverts, keeps the status
     # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
     # verify and the harness); a job's defects from its config.
-    3: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
-    4: ("testing.models", "audit.command"),
-    5: ("testing.equivalence", "audit"),
-    6: ("verify", "demo", "bench"),
-    7: ("cli", ),
-    8: ("__main__", "_bootstrap.sitecustomize"),
+    8: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
+    9: ("testing.models", "audit.command"),
+    10: ("testing.equivalence", "audit"),
+    11: ("verify", "demo", "bench_report"),
+    12: ("bench", ),
+    13: ("cli", ),
+    14: ("__main__", "_bootstrap.sitecustomize"),
 }
 FLOOR = {(f"{PACKAGE}.{name}" if name else PACKAGE): floor for floor, names in FLOORS.items() for name in names}
 
@@ -73,3 +81,12 @@ def test_an_upward_import_is_caught(tmp_path):
     known = modules()
     assert imports(str(path), known) == {f"{PACKAGE}.testing"}
     assert FLOOR[f"{PACKAGE}.testing"] >= FLOOR[f"{PACKAGE}.guard"]
+
+
+#: The test harness may be longer: it is one place that runs every kind of training the suite compares.
+LONG = {f"{PACKAGE}.testing.equivalence"}
+
+
+def test_no_module_is_over_400_lines():
+    long = {module: sum(1 for _ in open(path)) for module, path in modules().items() if module not in LONG}
+    assert {module: lines for module, lines in long.items() if lines > 400} == {}

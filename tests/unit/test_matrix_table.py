@@ -79,12 +79,18 @@ def test_a_layout_session_passes_only_with_its_red_green_run():
 
 
 def test_the_states_table_groups_releases_and_flags_a_wrong_state():
-    release = dict(state="applied",
-                   expected="applied",
-                   skipped_step="not-needed",
-                   skipped_step_expected="not-needed",
-                   grad_norm="off",
-                   torch="2.13.0")
+
+    def changes(skipped_step, expected):
+        return dict(changes={
+            "skipped_step": skipped_step,
+            "grad_norm_on_device": "off"
+        },
+                    changes_expected={
+                        "skipped_step": expected,
+                        "grad_norm_on_device": "off"
+                    })
+
+    release = dict(state="applied", expected="applied", torch="2.13.0", **changes("not-needed", "not-needed"))
     found = {
         "python": "3.11.7",
         "commit": "a",
@@ -92,8 +98,8 @@ def test_the_states_table_groups_releases_and_flags_a_wrong_state():
         "releases": {
             "0.19.6": release,
             "0.19.7": release,
-            "0.19.8": dict(release, skipped_step="applied", skipped_step_expected="applied"),
-            "0.19.9": dict(release, skipped_step="not-needed", skipped_step_expected="applied"),
+            "0.19.8": dict(release, **changes("applied", "applied")),
+            "0.19.9": dict(release, **changes("not-needed", "applied")),
         }
     }
     rows = [line.split("|")[1:-1] for line in matrix_table.render_states(found).splitlines() if line[:3] == "| 0"]

@@ -15,8 +15,8 @@ def target():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     return DeepSpeedZeroOptimizer
 def ours(name):
-    from deepspeed_offload_patch import overflow
-    return [func for _, func in overflow.REPLACEMENTS[name]]
+    from deepspeed_offload_patch.changes import by_name
+    return [func for _, func in by_name("overflow-flag").replacements(name)]
 def is_ours(cls):
     return all(cls.__dict__[name] in ours(name) for name in ("update_offload_overflow_tracker", "has_overflow"))
 """
@@ -131,10 +131,10 @@ def test_disabled_switch_makes_import_and_apply_no_ops():
 
 @pytest.mark.parametrize(
     "switch, state, after_apply, norm, means",
-    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "off", "treating it as 1, which leaves DeepSpeed"),
-     ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "off", "treating it as 0, so the on-device gradient norm "
+    [("DS_OFFLOAD_PATCH_DISABLE", "disabled", "disabled", "disabled", "treating it as 1, which leaves DeepSpeed"),
+     ("DS_OFFLOAD_PATCH_GRAD_NORM", "applied", "applied", "off", "treating it as 0, so the on-device grad norm "
       "is left out"),
-     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "off", "treating it as 0, so importing the "
+     ("DS_OFFLOAD_PATCH_AUTO", "not-applied", "applied", "not-applied", "treating it as 0, so importing the "
       "package patches nothing"),
      ("DS_OFFLOAD_PATCH_STRICT", "applied", "applied", "applied", "treating it as 0, not strict")])
 def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, after_apply, norm, means):
@@ -149,9 +149,9 @@ def test_switch_with_odd_value_warns_once_and_says_what_it_does(switch, state, a
         assert is_ours(target()) == (status.state == "applied")
         after = dop.apply()
         assert after.state == "{after_apply}", after  # (AUTO leaves apply() working)
-        from deepspeed_offload_patch import grad_norm
+        from deepspeed_offload_patch.changes import by_name
         name = "complete_grad_norm_calculation_for_cpu_offload"
-        installed = target().__dict__[name] in [form for _, form in grad_norm.REPLACEMENTS[name]]
+        installed = target().__dict__[name] in [form for _, form in by_name("grad-norm").replacements(name)]
         assert installed == (after.grad_norm_on_device == "applied"), after
         assert installed == ("{switch}" in ("DS_OFFLOAD_PATCH_STRICT", "DS_OFFLOAD_PATCH_AUTO")), after
     """, **{switch: "maybe"})

@@ -61,4 +61,4 @@ def test_asking_patches(tmp_path, how):
     else:
         found = _run(tmp_path, ini="ds_offload_patch = true\n")
     assert found["state"] == "applied", found
-    assert found["origins"] == ["deepspeed_offload_patch.overflow"], found
+    assert found["origins"] == ["deepspeed_offload_patch.changes.overflow_flag.methods"], found

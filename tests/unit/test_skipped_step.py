@@ -11,7 +11,12 @@ import textwrap
 
 import pytest
 
-from deepspeed_offload_patch import guard, skipped_step, source_digest
+from deepspeed_offload_patch import guard, source_digest
+from deepspeed_offload_patch.changes import by_name
+from deepspeed_offload_patch.changes.skipped_step import methods as skipped_step
+from deepspeed_offload_patch.changes.skipped_step.probe import probe_skipped_step
+
+SKIPPED_STEP = by_name("skipped-step")
 from deepspeed_offload_patch.states import State
 from unit.common import run_command, run_python
 from unit.test_patch_lifecycle import run, warnings_in
@@ -95,15 +100,15 @@ def step(self, closure=None):
 def test_deepspeed_0_19_8_is_patched_and_the_probe_agrees():
     import deepspeed
     cls = _class_like_deepspeed()
-    decision = guard.inspect_skipped_step(cls, deepspeed.__version__)
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, cls, deepspeed.__version__)
     assert decision.state == "applied", decision
     assert decision.replacements == {"reset_cpu_buffers": skipped_step.reset_cpu_buffers}
     assert decision.methods == {"reset_cpu_buffers": guard.PATCHABLE, "step": guard.PATCHABLE}
     # The probe sees the defect in DeepSpeed's code, and none with the replacement.
-    assert "keeps the skipped step's inf/NaN" in guard.probe_skipped_step(cls)
-    assert guard.probe_skipped_step(_class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers)) is None
-    assert guard.inspect_skipped_step(_class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers),
-                                      deepspeed.__version__).state == "applied"  # ours already
+    assert "keeps the skipped step's inf/NaN" in probe_skipped_step(cls)
+    assert probe_skipped_step(_class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers)) is None
+    assert SKIPPED_STEP.decide(SKIPPED_STEP, _class_like_deepspeed(reset_cpu_buffers=skipped_step.reset_cpu_buffers),
+                               deepspeed.__version__).state == "applied"  # ours already
 
 
 def test_without_a_compact_buffer_it_is_not_needed(tmp_path):
@@ -113,14 +118,14 @@ def test_without_a_compact_buffer_it_is_not_needed(tmp_path):
     spec = importlib.util.spec_from_file_location("older_release", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    decision = guard.inspect_skipped_step(module.DeepSpeedZeroOptimizer, "0.19.7")
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, module.DeepSpeedZeroOptimizer, "0.19.7")
     assert decision.state == State.NOT_NEEDED and decision.replacements == {}, decision
     assert "no compact fp32 gradient partition buffer" in decision.reason
 
 
 @needs_buffer
 def test_a_fix_in_other_words_is_upstream_fixed(tmp_path):
-    decision = guard.inspect_skipped_step(_synthetic(tmp_path, "fixed_step", FIXED_STEP), "0.20.0")
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, _synthetic(tmp_path, "fixed_step", FIXED_STEP), "0.20.0")
     assert decision.state == "upstream-fixed" and decision.replacements == {}, decision
     assert decision.methods["step"] == guard.MISMATCH
 
@@ -129,7 +134,7 @@ def test_a_fix_in_other_words_is_upstream_fixed(tmp_path):
 @pytest.mark.parametrize("text, why", [(STICKY_STEP, "keeps the skipped step's inf/NaN"),
                                        (BROKEN_STEP, "raised RuntimeError: needs a real engine")])
 def test_the_defect_in_a_new_form_is_unsupported(tmp_path, text, why):
-    decision = guard.inspect_skipped_step(_synthetic(tmp_path, f"new_form_{len(text)}", text), "0.20.0")
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, _synthetic(tmp_path, f"new_form_{len(text)}", text), "0.20.0")
     assert decision.state == "unsupported" and decision.replacements == {}, decision
     assert why in decision.reason and "step: mismatch" in decision.reason, decision.reason
 
@@ -140,7 +145,7 @@ def test_a_foreign_reset_cpu_buffers_is_a_conflict():
     def someone_elses(self):
         pass
 
-    decision = guard.inspect_skipped_step(_class_like_deepspeed(reset_cpu_buffers=someone_elses), "0.19.8")
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, _class_like_deepspeed(reset_cpu_buffers=someone_elses), "0.19.8")
     assert decision.state == "conflict" and "someone_elses" in decision.reason, decision
 
 
@@ -148,14 +153,14 @@ def test_a_foreign_reset_cpu_buffers_is_a_conflict():
 def test_an_interpreter_that_reads_code_otherwise_is_named(monkeypatch):
     real = source_digest._digest
     monkeypatch.setattr(source_digest, "_digest", lambda node: real(node)[::-1])
-    decision = guard.inspect_skipped_step(_class_like_deepspeed(), "0.19.8")
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, _class_like_deepspeed(), "0.19.8")
     assert decision.state == "unsupported" and "the interpreter, not DeepSpeed" in decision.reason, decision
 
 
 @pytest.mark.parametrize("version", ["0.13.5", "garbage"])
 def test_a_refused_version_is_refused_for_both_changes(version):
-    decision = guard.inspect_skipped_step(_class_like_deepspeed(), version)
-    assert decision.state == "unsupported" and decision.reason == guard._version_refused(version)
+    decision = SKIPPED_STEP.decide(SKIPPED_STEP, _class_like_deepspeed(), version)
+    assert decision.state == "unsupported" and decision.reason == guard.version_refused(version)
 
 
 # Each switch in a fresh interpreter, on the installed DeepSpeed.
@@ -164,7 +169,7 @@ STATES = """
     import deepspeed
     status = dop.status()
     reset = target().__dict__["reset_cpu_buffers"]
-    from deepspeed_offload_patch import skipped_step, grad_norm
+    from deepspeed_offload_patch.changes.skipped_step import methods as skipped_step
     print("STATE", status.state, status.skipped_step, status.grad_norm_on_device, reset is skipped_step.reset_cpu_buffers)
 """
 
@@ -184,12 +189,13 @@ def test_on_by_default_and_each_switch_does_what_it_says():
     assert _states(DS_OFFLOAD_PATCH_UPSTREAM_ONLY="1",
                    DS_OFFLOAD_PATCH_SKIPPED_STEP="1",
                    DS_OFFLOAD_PATCH_GRAD_NORM="1")[0] == ["applied", "off", "off", "False"]
-    assert _states(DS_OFFLOAD_PATCH_DISABLE="1")[0] == ["disabled", "off", "off", "False"]
+    # Nothing decided: every change reads as the upstream one (off is only a switch's doing).
+    assert _states(DS_OFFLOAD_PATCH_DISABLE="1")[0] == ["disabled", "disabled", "disabled", "False"]
 
 
 @needs_buffer
 @pytest.mark.parametrize("switch, expected, means",
-                         [("DS_OFFLOAD_PATCH_SKIPPED_STEP", "off", "leaves this fix out"),
+                         [("DS_OFFLOAD_PATCH_SKIPPED_STEP", "off", "so the skipped-step fix is left out"),
                           ("DS_OFFLOAD_PATCH_UPSTREAM_ONLY", "off", "applies only the upstream change")])
 def test_an_odd_value_warns_once_and_takes_the_fewer_changes(switch, expected, means):
     states, output = _states(**{switch: "maybe"})
@@ -203,7 +209,7 @@ def test_revert_restores_the_original_and_apply_is_idempotent():
     run("""
         import deepspeed_offload_patch as dop
         import deepspeed
-        from deepspeed_offload_patch import skipped_step
+        from deepspeed_offload_patch.changes.skipped_step import methods as skipped_step
         cls = target()
         assert cls.__dict__["reset_cpu_buffers"] is skipped_step.reset_cpu_buffers
         patched = dict(cls.__dict__)

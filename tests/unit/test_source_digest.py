@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-from deepspeed_offload_patch import guard, overflow, source_digest
+from deepspeed_offload_patch import guard, source_digest
+from deepspeed_offload_patch.changes import CHANGES, UPSTREAM
+from deepspeed_offload_patch.changes.overflow_flag import methods as overflow
 from deepspeed_offload_patch.fingerprints import OWN
 
 SOURCE = inspect.getsource(overflow.update_offload_overflow_tracker)
@@ -100,7 +102,8 @@ def test_any_change_of_the_code_moves_the_digest(a, b):
 def test_module_digests_are_the_digests_of_each_function():
     digests = source_digest.module_digests(overflow.__file__)
     assert digests["update_offload_overflow_tracker"] == source_digest.digest_source(SOURCE)
-    assert guard.own_digests() == OWN  # the recorded ones, on this interpreter
+    # The recorded ones, on this interpreter.
+    assert {key: digest for change in CHANGES for key, digest in guard.own_digests(change).items()} == OWN
 
 
 def test_an_interpreter_that_reads_code_otherwise_is_named_not_deepspeed(monkeypatch):
@@ -112,16 +115,16 @@ def test_an_interpreter_that_reads_code_otherwise_is_named_not_deepspeed(monkeyp
     # DeepSpeed's own methods (this process may have patched the class): a class of them in DeepSpeed's module.
     originals = {
         name: patcher.originals().get(name, DeepSpeedZeroOptimizer.__dict__[name])
-        for name in guard.fix_methods(DeepSpeedZeroOptimizer)
+        for name in UPSTREAM.form_for(DeepSpeedZeroOptimizer).methods
     }
     cls = type("DeepSpeedZeroOptimizer", (), dict(originals, __module__=DeepSpeedZeroOptimizer.__module__))
-    assert guard.inspect_target(cls, deepspeed.__version__).state == "applied"
-    assert guard.interpreter_problem() is None
+    assert guard.decide_by_methods(UPSTREAM, cls, deepspeed.__version__).state == "applied"
+    assert guard.interpreter_problem(UPSTREAM) is None
     real = source_digest._digest
     monkeypatch.setattr(source_digest, "_digest", lambda node: real(node)[::-1])
-    problem = guard.interpreter_problem()
+    problem = guard.interpreter_problem(UPSTREAM)
     assert problem and "the interpreter, not DeepSpeed, is what is unknown" in problem
-    decision = guard.inspect_target(cls, deepspeed.__version__)
+    decision = guard.decide_by_methods(UPSTREAM, cls, deepspeed.__version__)
     assert decision.state == "unsupported" and decision.replacements == {}
     assert "Python" in decision.reason and "the interpreter, not DeepSpeed" in decision.reason, decision.reason
     assert "mismatch" in decision.reason

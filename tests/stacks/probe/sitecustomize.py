@@ -37,7 +37,7 @@ DIR = "DS_STACK_PROBE_DIR"
 ENGINE_MODULE = "deepspeed.runtime.engine"
 ZERO_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
 #: The fix's tracker is one of these, by release (0.17.1 on: the first; 0.14.0 - 0.17.0: the second); the fix also
-#: replaces ``has_overflow``. The package's ``guard.fix_methods`` says the same, but importing it applies the patch.
+#: replaces ``has_overflow``. The upstream change's record (``changes.UPSTREAM.forms``) says the same, but importing it applies the patch.
 TRACKERS = ("update_offload_overflow_tracker", "update_overflow_tracker_for_param_grad")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -93,8 +93,8 @@ def _ignores_overflow(self, grad_or_param):
 
 def install_broken_tracker() -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed_offload_patch.guard import fix_methods
-    setattr(DeepSpeedZeroOptimizer, fix_methods(DeepSpeedZeroOptimizer)[0], _ignores_overflow)
+    from deepspeed_offload_patch.changes import UPSTREAM
+    setattr(DeepSpeedZeroOptimizer, UPSTREAM.form_for(DeepSpeedZeroOptimizer).tracker, _ignores_overflow)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_each_side_runs_the_code_it_claims(sides):
         assert rank["state"] == "disabled", rank["state"]
         assert set(rank["methods"].values()) == {"deepspeed.runtime.zero.stage_1_and_2"}, rank["methods"]
     if sides[PATCHED][0]["state"] == "applied":
-        assert set(sides[PATCHED][0]["methods"].values()) == {"deepspeed_offload_patch.overflow"}
+        assert set(sides[PATCHED][0]["methods"].values()) == {"deepspeed_offload_patch.changes.overflow_flag.methods"}
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)

@@ -30,10 +30,11 @@ def _replacement():
     """The package's replacement for the installed DeepSpeed's form of the method (where the file already has one of
     them, as with a diff from ``patches/`` applied, that one)."""
     from deepspeed_offload_patch import guard
-    name = "complete_grad_norm_calculation_for_cpu_offload"
+    from deepspeed_offload_patch.changes import by_name
+    change, name = by_name("grad-norm"), "complete_grad_norm_calculation_for_cpu_offload"
     digest = guard.fingerprint(_deepspeed_original())
-    same = [func for _, func in guard.replacements(name) if guard.fingerprint(func) == digest]
-    return same[0] if same else guard.replacement_for(name, digest)
+    same = [func for _, func in change.replacements(name) if guard.fingerprint(func) == digest]
+    return same[0] if same else guard.replacement_for(change, name, digest)
 
 
 class TestGradNormBits(DistributedTest):

@@ -16,7 +16,7 @@ import torch
 import deepspeed_offload_patch  # noqa: F401  (applies the patch, unless DS_OFFLOAD_PATCH_DISABLE=1)
 from deepspeed import comm as dist
 from deepspeed_offload_patch.testing import RaisingBoolTensor
-from deepspeed_offload_patch.guard import fix_methods
+from deepspeed_offload_patch.changes import UPSTREAM
 from deepspeed_offload_patch.testing.equivalence import (backward_to_boundary, flag_is_read, poison_plan,
                                                          ranks_agree_on_overflow, set_full_grad_reaches_tracker)
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
@@ -205,7 +205,7 @@ class TestOptimizerBuiltWithoutInit(DistributedTest):
         grads = [torch.ones(4), torch.ones(3, 2), None]
         if bad is not None:
             grads[1][1, 1] = bad
-        tracker = fix_methods(DeepSpeedZeroOptimizer)[0]
+        tracker = UPSTREAM.form_for(DeepSpeedZeroOptimizer).tracker
         for grad in grads:
             if tracker == "update_offload_overflow_tracker":
                 optimizer.update_offload_overflow_tracker(grad)

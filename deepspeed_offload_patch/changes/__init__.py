@@ -1,0 +1,36 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""The registry of the changes this package makes to DeepSpeed: one record each (:mod:`.record`), in one module each.
+
+Order is the order ``status`` and ``check`` report them in; the first is the upstream change (DeepSpeed pull request
+8963), whose state is ``status()``'s ``state``. Adding a change is a module under this folder and one line here
+(``docs/design.md``).
+"""
+
+from typing import Tuple
+
+from deepspeed_offload_patch.changes import grad_norm, overflow_flag, skipped_step
+from deepspeed_offload_patch.changes.record import Change
+
+CHANGES: Tuple[Change, ...] = (
+    overflow_flag.CHANGE,
+    skipped_step.CHANGE,
+    grad_norm.CHANGE,
+)
+#: The upstream change: the package's ``state``, ``reason`` and ``diff``'s default.
+UPSTREAM = CHANGES[0]
+#: The changes reported beside it, each with its own state, reason and switch.
+OTHERS = CHANGES[1:]
+
+
+def by_name(name: str) -> Change:
+    """The change called ``name``. Raises LookupError for a name no change has."""
+    for change in CHANGES:
+        if change.name == name:
+            return change
+    raise LookupError(f"no change is called {name!r} (changes: {', '.join(c.name for c in CHANGES)})")
+
+
+def all_methods() -> Tuple[str, ...]:
+    """Every method some change replaces or reads (the fingerprint table covers them all)."""
+    return tuple(dict.fromkeys(name for change in CHANGES for name in change.method_names))
