@@ -43,7 +43,7 @@ class BuildWithPatches(build_py):
     def run(self):
         super().run()
         source = os.path.join(HERE, "patches")
-        if not os.path.isfile(os.path.join(source, "index.json")):
+        if not os.path.isfile(os.path.join(source, "README.md")):  # one folder per change below it
             raise FileNotFoundError(f"{source} is missing: build from a checkout or from the sdist, which carry it")
         shutil.copytree(source,
                         os.path.join(self.build_lib, "deepspeed_offload_patch", "_patches"),
