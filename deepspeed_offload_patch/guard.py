@@ -9,6 +9,7 @@ with each method); the patcher acts on it. A change with more to weigh decides i
 here.
 """
 
+import importlib.util
 import inspect
 import os
 import platform
@@ -59,9 +60,11 @@ def fingerprint(func: Callable) -> Optional[str]:
 
 
 def own_digests(change: Change) -> Dict[str, str]:
-    """``{"change.function": digest}`` of the top-level functions of ``change``'s replacements module, read from its
-    file on this interpreter (what ``ci/gen_fingerprints.py`` records in :data:`fingerprints.OWN`)."""
-    path = getattr(change.methods(), "__file__", None)
+    """``{"change.function": digest}`` of the top-level functions of ``change``'s replacements module (``methods``
+    beside its record), read from its file on this interpreter without importing it (it imports DeepSpeed): what
+    ``ci/gen_fingerprints.py`` records in :data:`fingerprints.OWN`."""
+    spec = importlib.util.find_spec(f"{change.methods.__module__}.methods")
+    path = spec.origin if spec else None
     return {
         f"{change.name}.{name}": digest
         for name, digest in (module_digests(path) if path and os.path.exists(path) else {}).items()
