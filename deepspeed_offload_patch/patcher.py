@@ -4,8 +4,6 @@
 
 import gc
 import importlib
-import importlib.metadata
-import importlib.util
 import sys
 import threading
 from dataclasses import dataclass
