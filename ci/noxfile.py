@@ -10,7 +10,7 @@
     nox -f ci/noxfile.py -s multinode             # two nodes on one machine: sshd + pdsh, torchrun c10d, 8 ranks
     nox -f ci/noxfile.py -s pipeline              # PipelineEngine, 2 stages x 2 data-parallel ranks, ZeRO-1 (0.19.8)
     nox -f ci/noxfile.py -s sequence              # Ulysses sequence parallelism on 2 ranks, ZeRO-2 (0.19.8)
-    nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,no-diff variants   # CI's steps on the floor Python, one virtualenv
+    nox -f ci/noxfile.py -s ci-3.10 -- 0.16.9:core,ci,no-diff variants   # CI's steps on the floor Python, one virtualenv
     nox -f ci/noxfile.py -s ci-3.13 -- 0.17.1:smoke,no-diff 0.19.6:smoke,no-diff,stacks-launcher   # ... and on the newest
     nox -f ci/noxfile.py -s pythons               # each supported Python: the wheel, 0.19.8 and 0.16.9 (pythons-3.12: one)
     nox -f ci/noxfile.py -s sdists                # fetch the 47 releases' sdists into the cache (ci/sdists.py)
@@ -59,14 +59,16 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(path)
 # One release per diff of the fix (three forms of the methods, four diffs: 0.19.7 changed _has_inf_or_nan's result):
 # the last of the 0.14.0-0.17.0 form, the first of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check
 # returns fp32) and the latest (0.19.7+: bool).
-# CI runs 0.16.9 with "core" (and its red/green run), 0.17.1 with "smoke", 0.19.6 with "smoke" and the training stacks,
-# and the variants with "smoke" or "lite" (the sync tests on upstream's fixed code); not 0.19.8, whose whole suite and
-# red/green run ci/test.sh already ran in the checkout's own venv. None runs its diffs in CI (no-diff):
+# CI runs 0.16.9 with "core,ci" (core without the 4-rank scale module and without its red/green run), 0.17.1 with
+# "smoke", 0.19.6 with "smoke" and the training stacks, and the variants with "check" or "lite" (the sync tests on
+# upstream's fixed code); not 0.19.8, whose whole suite (the scale module included) and red/green run ci/test.sh
+# already ran in the checkout's own venv. The on-demand matrix runs 0.16.9's red/green run and `nox -s scale` the
+# scale module on each form. None runs its diffs in CI (no-diff):
 # test_sources.py checks them statically on every release.
 REPRESENTATIVE = ("0.16.9", "0.17.1", "0.19.6", "0.19.8")
 CI_RELEASES = ("0.16.9", "0.17.1", "0.19.6")
-# Releases whose ZeRO suite also runs with the patch disabled (ci/check_red_green.py): the per-parameter form (ci/test.sh
-# does it for the installed 0.19.8).
+# Releases whose ZeRO suite also runs with the patch disabled (ci/check_red_green.py) in the on-demand matrix: the
+# per-parameter form (ci/test.sh does it for the installed 0.19.8; CI's 0.16.9 step, "ci", leaves it out).
 RED_GREEN = ("0.16.9", )
 # DeepSpeed built from 0.19.8's own sdist with changes: (version.txt, what is done to stage_1_and_2.py, the state the
 # package must report). The CI set is the first three.
@@ -237,7 +239,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
         result.update(_lite(session, deepspeed))
     else:
         core = "core" in profiles or Version(deepspeed) < Version("0.17.1")
-        result.update(_suite(session, deepspeed, core=core))
+        result.update(_suite(session, deepspeed, core=core, ci="ci" in profiles))
     if "no-diff" not in profiles:
         result.update(_with_diff(session, deepspeed))
     _finish(session, deepspeed, result)
@@ -252,7 +254,7 @@ def _release(session: nox.Session, deepspeed: str, profiles) -> None:
 @nox.session(python=[FLOOR, NEWEST])
 def ci(session: nox.Session) -> None:
     """CI's part of the matrix in one virtualenv per Python, so that torch and the tools are installed once: each
-    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core,no-diff``, ``0.19.6:smoke,no-diff,stacks-launcher``) or ``variants``;
+    argument is a step, ``RELEASE:PROFILE[,PROFILE]`` (``0.16.9:core,ci,no-diff``, ``0.19.6:smoke,no-diff,stacks-launcher``) or ``variants``;
     each release is installed over the last (``.ci/run`` calls it once per step, so that each prints its time). The
     results are those of the ``release``, ``stacks`` and ``variants`` sessions. ``ci-3.10`` and ``ci-3.13`` run on
     the oldest and the newest supported Python, so that every landing proves both (``ci/test.sh`` runs on the
@@ -268,15 +270,21 @@ def ci(session: nox.Session) -> None:
 CLEAN = {settings.DISABLE: "0", settings.STRICT: "0"}
 
 
-def _suite(session: nox.Session, name: str, core: bool) -> dict:
+def _suite(session: nox.Session, name: str, core: bool, ci: bool = False) -> dict:
+    """The release's suite (``core``: the ZeRO tests, ``test_guard.py``, ``check`` and ``verify``) and, for a release
+    in ``RED_GREEN``, its red/green run. With ``ci`` (CI's 0.16.9 step), neither the 4-rank scale module nor the
+    red/green run: ``ci/test.sh`` has run both on 0.19.8, and the on-demand matrix and ``nox -s scale`` run them on
+    every form."""
     if core:
         suite = ["tests/unit/v1/zero", "tests/unit/test_guard.py"]
+        if ci:
+            suite += ["--deselect", "tests/unit/v1/zero/test_offload_scale.py"]
         session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
         session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
     else:
         suite = ["tests/unit"]
     result = {"suite": " ".join(suite), "tests": _pytest(session, name, *suite, env=CLEAN)}
-    if name in RED_GREEN:
+    if name in RED_GREEN and not ci:
         # The ZeRO suite with the patch disabled fails exactly the tests marked fails_unpatched.
         done = session.run("python", "ci/check_red_green.py", "tests/unit/v1/zero", env=CLEAN, success_codes=[0, 1])
         result["red_green"] = "pass" if done else "FAIL"
@@ -388,8 +396,8 @@ def variant(session: nox.Session, kind: str) -> None:
 @nox.session
 def variants(session: nox.Session) -> None:
     """CI's variants (the first three) in one virtualenv, each build installed over the last: torch and the tools are
-    installed once. A build whose code is 0.19.8's (only its version differs) runs ``smoke``: its state, ``check``,
-    ``verify``, the watch and the boundary-backward sync tests (``ci/test.sh`` ran 0.19.8's whole suite); the others
+    installed once. A build whose code is 0.19.8's (only its version differs) runs its state, ``check``, ``verify``
+    and the watch (``ci/test.sh`` ran 0.19.8's whole suite, the sync tests included, on the same code); the others
     run ``lite``: ``truth-test`` its own test, ``fixed-differently`` the sync tests on upstream's fixed code."""
     _ci_variants(session)
 
@@ -397,7 +405,7 @@ def variants(session: nox.Session) -> None:
 def _ci_variants(session: nox.Session) -> None:
     _variant_tools(session)
     for kind in CI_VARIANTS:
-        _variant(session, kind, "smoke" if VARIANTS[kind][1] is None else "lite")
+        _variant(session, kind, "check" if VARIANTS[kind][1] is None else "lite")
 
 
 def _variant(session: nox.Session, kind: str, profile: str) -> None:
@@ -419,8 +427,8 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     result.update(state=status["state"], **changes_result(status, version, kind))
     result["watch"] = _watch(session, kind, should_pass=expected != State.UNSUPPORTED)
     if expected == State.APPLIED:
-        if profile == "smoke":
-            result.update(_smoke(session, kind))
+        if profile in ("smoke", "check"):
+            result.update(_smoke(session, kind, tests=profile == "smoke"))
         else:
             result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
     elif expected == State.UPSTREAM_FIXED:
@@ -440,12 +448,16 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     _finish(session, f"variant-{kind}", result)
 
 
-def _smoke(session: nox.Session, name: str) -> dict:
-    """``smoke``: ``check``, ``verify`` and the boundary-backward sync tests: for a build whose code is byte for byte
-    one whose whole suite ran elsewhere, and in CI for the forms whose whole suite only the on-demand matrix runs
-    (0.17.1, 0.19.6: CI's time goes to 0.19.8's whole suite and 0.16.9's core)."""
+def _smoke(session: nox.Session, name: str, tests: bool = True) -> dict:
+    """``smoke``: ``check``, ``verify`` and the boundary-backward sync tests: in CI for the forms whose whole suite
+    only the on-demand matrix runs (0.17.1, 0.19.6: CI's time goes to 0.19.8's whole suite and 0.16.9's core). Without
+    ``tests`` (CI's build whose code is byte for byte 0.19.8's, whose whole suite ``ci/test.sh`` ran), ``check`` and
+    ``verify`` alone."""
     session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
     session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
+    if not tests:
+        # Both ran (a failure ends the session): the two checks are the result's tests.
+        return {"suite": "check and verify", "tests": {"passed": 2, "failed": 0, "skipped": 0}}
     suite = ["tests/unit/v1/zero/test_offload_overflow_flag.py", "-k", "boundary_backward_has_no_host_sync"]
     return {"suite": "boundary-backward sync tests", "tests": _pytest(session, name, *suite, env=CLEAN)}
 
