@@ -31,7 +31,7 @@ def _call_method(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
 
 
 def run_distributed_test(cls: type, name: str, kwargs: Dict[str, Any]) -> None:
-    run_distributed(_call_method, cls.world_size, args=(cls, name, kwargs), timeout=cls.timeout)
+    run_distributed(_call_method, cls.world_size, args=(cls, name, kwargs), timeout=cls.timeout, fork_server=True)
 
 
 def clean_env(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -3,9 +3,12 @@
 """The host-sync guard and RaisingBoolTensor: what they catch, what they let through, and inside autograd hooks; the
 hang guards of the harness name what hung and the time it had."""
 
+import os
+
 import pytest
 import torch
 
+from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.testing import HostSyncError, RaisingBoolTensor, count_host_syncs, no_host_sync
 
 
@@ -143,3 +146,25 @@ def test_a_free_port_lies_below_the_ephemeral_range_and_binds(monkeypatch, tmp_p
     (tmp_path / "range").write_text(f"{launch.PORT_FLOOR}\t60999\n")
     monkeypatch.setattr(launch, "_EPHEMERAL_RANGE", str(tmp_path / "range"))
     assert launch.free_port() >= launch.PORT_FLOOR
+
+
+def _what_the_rank_sees(name: str) -> tuple:
+    import sys
+    import deepspeed_offload_patch
+    return os.environ.get(name), deepspeed_offload_patch.status().state, "torch" in sys.modules
+
+
+@pytest.mark.parametrize("fork_server", [False, True])
+@pytest.mark.parametrize("disable", ["0", "1"])
+def test_each_rank_gets_the_call_s_environment_before_the_package_reads_it(fork_server, disable):
+    """Started from the fork server (whose environment is its first caller's), a rank still reads this call's
+    environment, and the package's switch in it decides, as with spawn."""
+    from deepspeed_offload_patch.testing.launch import run_distributed
+    env = {"DS_OFFLOAD_PATCH_TEST_MARK": f"call-{disable}", settings.DISABLE: disable}
+    seen = run_distributed(_what_the_rank_sees,
+                           2,
+                           args=("DS_OFFLOAD_PATCH_TEST_MARK", ),
+                           env=env,
+                           fork_server=fork_server)
+    state = "disabled" if disable == "1" else "applied"  # the rank has imported DeepSpeed
+    assert seen == [(f"call-{disable}", state, True)] * 2, seen
