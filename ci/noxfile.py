@@ -60,8 +60,8 @@ os.environ["PATH"] = os.pathsep.join([os.path.dirname(path)
 # the last of the 0.14.0-0.17.0 form, the first of the 0.17.x form, the last of the 0.18.0-0.19.6 form (its check
 # returns fp32) and the latest (0.19.7+: bool).
 # CI runs 0.16.9 with "core,ci" (core without the 4-rank scale module and without its red/green run), 0.17.1 with
-# "smoke", 0.19.6 with "smoke" and the training stacks, and the variants with "check" or "lite" (the sync tests on
-# upstream's fixed code); not 0.19.8, whose whole suite (the scale module included) and red/green run ci/test.sh
+# "smoke", 0.19.6 with "smoke" and the training stacks, and the variants with "lite" (truth-test its own test,
+# fixed-differently the sync tests on upstream's fixed code); not 0.19.8, whose whole suite (the scale module included) and red/green run ci/test.sh
 # already ran in the checkout's own venv. The on-demand matrix runs 0.16.9's red/green run and `nox -s scale` the
 # scale module on each form. None runs its diffs in CI (no-diff):
 # test_sources.py checks them statically on every release.
@@ -399,16 +399,15 @@ def variant(session: nox.Session, kind: str) -> None:
 @nox.session
 def variants(session: nox.Session) -> None:
     """CI's variants (:data:`CI_VARIANTS`) in one virtualenv, each build installed over the last: torch and the tools
-    are installed once. ``truth-test`` runs its own test, ``fixed-differently`` the sync tests on upstream's fixed
-    code (``lite``); a build whose code is 0.19.8's (only its version differs), named here, runs its state,
-    ``check``, ``verify`` and the watch."""
+    are installed once, and each runs ``lite``: ``truth-test`` its own test, ``fixed-differently`` the sync tests on
+    upstream's fixed code, each with its state and the upstream watch."""
     _ci_variants(session)
 
 
 def _ci_variants(session: nox.Session) -> None:
     _variant_tools(session)
     for kind in CI_VARIANTS:
-        _variant(session, kind, "check" if VARIANTS[kind][1] is None else "lite")
+        _variant(session, kind, "lite")
 
 
 def _variant(session: nox.Session, kind: str, profile: str) -> None:
@@ -430,8 +429,8 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     result.update(state=status["state"], **changes_result(status, version, kind))
     result["watch"] = _watch(session, kind, should_pass=expected != State.UNSUPPORTED)
     if expected == State.APPLIED:
-        if profile in ("smoke", "check"):
-            result.update(_smoke(session, kind, tests=profile == "smoke"))
+        if profile == "smoke":
+            result.update(_smoke(session, kind))
         else:
             result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
     elif expected == State.UPSTREAM_FIXED:
@@ -451,16 +450,11 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     _finish(session, f"variant-{kind}", result)
 
 
-def _smoke(session: nox.Session, name: str, tests: bool = True) -> dict:
+def _smoke(session: nox.Session, name: str) -> dict:
     """``smoke``: ``check``, ``verify`` and the boundary-backward sync tests: in CI for the forms whose whole suite
-    only the on-demand matrix runs (0.17.1, 0.19.6: CI's time goes to 0.19.8's whole suite and 0.16.9's core). Without
-    ``tests`` (CI's build whose code is byte for byte 0.19.8's, whose whole suite ``ci/test.sh`` ran), ``check`` and
-    ``verify`` alone."""
+    only the on-demand matrix runs (0.17.1, 0.19.6: CI's time goes to 0.19.8's whole suite and 0.16.9's core)."""
     session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
     session.run("python", "-m", "deepspeed_offload_patch", "verify", env=CLEAN)
-    if not tests:
-        # Both ran (a failure ends the session): the two checks are the result's tests.
-        return {"suite": "check and verify", "tests": {"passed": 2, "failed": 0, "skipped": 0}}
     suite = ["tests/unit/v1/zero/test_offload_overflow_flag.py", "-k", "boundary_backward_has_no_host_sync"]
     return {"suite": "boundary-backward sync tests", "tests": _pytest(session, name, *suite, env=CLEAN)}
 
