@@ -581,7 +581,9 @@ def run_side(side: str,
     """:func:`trace_runs` on fresh ranks with the patch on (``PATCHED``), off (``UNPATCHED``, ``BUFFER_OFF``), with
     only the upstream change (``UPSTREAM_ONLY``) or as this process's switch says (``CURRENT``); returns each rank's
     result. The ranks are the runs' ``world_size`` (all runs must share
-    it), or ``world_size`` where given. ``setup`` must pickle (a module-level function).
+    it), or ``world_size`` where given. ``setup`` must pickle (a module-level function). The ranks come from the
+    fork server (``run_distributed(fork_server=True)``): call it from a test process or a script run by path, not
+    from a ``python -m`` module of this package.
 
     Raises:
         ValueError: the runs ask for different world sizes.
@@ -594,7 +596,8 @@ def run_side(side: str,
                            sizes.pop(),
                            args=(tuple(runs), setup, save_root, load_root),
                            env=side_env(side),
-                           timeout=timeout)
+                           timeout=timeout,
+                           fork_server=True)
 
 
 def boundary_syncs(result: Sequence[Dict[str, Any]], run: str) -> List[List[int]]:

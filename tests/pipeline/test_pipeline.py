@@ -45,7 +45,7 @@ AUDIT_STEPS = 2
 
 
 def _train(side: str) -> list:
-    return run_distributed(trace_pipeline, WORLD, args=(RUNS, ), env=side_env(side))
+    return run_distributed(trace_pipeline, WORLD, args=(RUNS, ), env=side_env(side), fork_server=True)
 
 
 @pytest.fixture(scope="module")

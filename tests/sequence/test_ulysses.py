@@ -42,7 +42,7 @@ ATTENTION_TOLERANCE = 2e-2
 
 
 def _train(side: str) -> list:
-    return run_distributed(trace_ulysses, WORLD, args=(RUNS, ), env=side_env(side))
+    return run_distributed(trace_ulysses, WORLD, args=(RUNS, ), env=side_env(side), fork_server=True)
 
 
 @pytest.fixture(scope="module")
