@@ -34,13 +34,15 @@ class Job:
     precision: str  # bf16, fp16, fp32 or auto
     check_grad_overflow: Union[bool, str]  # bf16's switch (True by default); fp16 always checks, fp32 never
     grad_accum_dtype: Optional[str]
+    grad_accum: Union[int, str] = 1  # gradient_accumulation_steps (1 by default)
 
     def text(self) -> str:
         check = ""
         if self.precision in ("bf16", AUTO):
             check = f" (check_grad_overflow {_word(self.check_grad_overflow, 'on', 'off')})"
         return (f"ZeRO-{self.stage}, offload_optimizer {self.offload or 'none'}, {self.precision}{check}, "
-                f"grad_accum_dtype {self.grad_accum_dtype or 'as the precision'}")
+                f"grad_accum_dtype {self.grad_accum_dtype or 'as the precision'}, gradient_accumulation_steps "
+                f"{self.grad_accum}")
 
 
 @dataclass
@@ -93,11 +95,13 @@ def read_job(config: Dict[str, Any]) -> Job:
     check = bf16.get("check_grad_overflow", True) if isinstance(bf16, dict) else True
     data_types = config.get("data_types") or {}
     accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    steps = config.get("gradient_accumulation_steps", 1)
     return Job(stage=stage,
                offload=device if device not in (None, "none") else None,
                precision=precision,
                check_grad_overflow=AUTO if check == AUTO else bool(check),
-               grad_accum_dtype=accum)
+               grad_accum_dtype=accum,
+               grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1)
 
 
 def _offloaded(job: Job) -> str:

@@ -39,12 +39,27 @@ UNFIXED = {
         'e6694539c119b786': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
                              '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
                              '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7', '0.19.8')
+    },
+    'async_accumulate_grad_in_cpu_via_gpu': {
+        '9851e58c1e3aefa0': ('0.15.2', '0.15.3', '0.15.4', '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5',
+                             '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0', '0.17.1', '0.17.2', '0.17.3', '0.17.4',
+                             '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2'),
+        'e749a7f65b070598': ('0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9')
+    },
+    'copy_grads_in_partition': {
+        '33206ccc2f409711':
+        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
+         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0'),
+        '780c96d434cde936': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
+                             '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9')
     }
 }
 
 #: The digests of the package's own replacements (``change.function``): an interpreter that digests them otherwise
 #: reads all code differently, and the guard says so instead of blaming DeepSpeed.
 OWN = {
+    'grad-accumulation.async_accumulate_grad_in_cpu_via_gpu': '07b07c585ed45a0f',
+    'grad-accumulation.async_accumulate_grad_in_cpu_via_gpu_fp16_master': '7b71eacb792786f0',
     'grad-norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',
     'grad-norm.complete_grad_norm_returning_a_number': 'e00e658ea7a4855e',
     'overflow-flag.has_overflow': '9bf46cded86d17ed',
@@ -52,5 +67,7 @@ OWN = {
     'overflow-flag.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',
     'overflow-flag.update_offload_overflow_tracker': '5bb45a9f6198c50e',
     'overflow-flag.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e',
+    'several-backwards.copy_grads_in_partition': '2168cfdb41d9c59e',
+    'several-backwards.copy_grads_in_partition_param_tracker': '64e64359c5af5295',
     'skipped-step.reset_cpu_buffers': '38d1e1a8c7de425c'
 }

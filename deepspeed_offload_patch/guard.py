@@ -240,6 +240,28 @@ def decide_by_methods(change: Change, cls: type, version: str) -> Decision:
     return Decision(State.APPLIED, reason, methods, {name: replacement for name, (_, replacement) in found.items()})
 
 
+def decide_where_defective(change: Change, cls: type, version: str, right: str) -> Decision:
+    """:func:`decide_by_methods` for a change whose defect only some releases have (before it came and after
+    DeepSpeed fixed it, the code behaves right): where the tracker is in no known form but ``change.probe`` finds it
+    behaving right, the change is ``not-needed`` (``right`` says what the release does), not ``upstream-fixed``; a
+    tracker that is this package's replacement text (``patches/`` applied to DeepSpeed's file) stays
+    ``upstream-fixed``. Code in no known form that the probe finds wrong stays ``unsupported``, and the reason says
+    what the probe found."""
+    decision = decide_by_methods(change, cls, version)
+    tracker = change.form_for(cls).tracker
+    if decision.state == State.UNSUPPORTED and decision.methods.get(tracker) == MISMATCH and change.probe:
+        # Say what the unknown code does, as the probe found it.
+        problem = change.probe(cls)
+        if problem:
+            return Decision(State.UNSUPPORTED, f"{decision.reason}; its {tracker} {problem}", decision.methods)
+    if decision.state != State.UPSTREAM_FIXED:
+        return decision
+    ours = {fingerprint(function) for _, function in change.replacements(tracker)}
+    if fingerprint(cls.__dict__[tracker]) in ours:
+        return decision
+    return Decision(State.NOT_NEEDED, f"DeepSpeed {version}: {right} ({tracker} behaves right)", decision.methods)
+
+
 def owner(func: Callable) -> str:
     module = getattr(func, "__module__", None) or "?"
     qualname = getattr(func, "__qualname__", None) or type(func).__name__

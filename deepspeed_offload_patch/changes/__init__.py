@@ -9,13 +9,15 @@ Order is the order ``status`` and ``check`` report them in; the first is the ups
 
 from typing import Tuple
 
-from deepspeed_offload_patch.changes import grad_norm, overflow_flag, skipped_step
+from deepspeed_offload_patch.changes import grad_accumulation, grad_norm, overflow_flag, several_backwards, skipped_step
 from deepspeed_offload_patch.changes.record import Change
 
 CHANGES: Tuple[Change, ...] = (
     overflow_flag.CHANGE,
     skipped_step.CHANGE,
     grad_norm.CHANGE,
+    grad_accumulation.CHANGE,
+    several_backwards.CHANGE,
 )
 #: The upstream change: the package's ``state``, ``reason`` and ``diff``'s default.
 UPSTREAM = CHANGES[0]

@@ -37,8 +37,18 @@ def _config(path, **changes):
     return config
 
 
-def _status(state="applied", skipped_step="applied", grad_norm="applied", version="0.19.8"):
-    return PatchStatus(state, version, "", {}, {"grad-norm": (grad_norm, ""), "skipped-step": (skipped_step, "")})
+def _status(state="applied",
+            skipped_step="applied",
+            grad_norm="applied",
+            version="0.19.8",
+            grad_accumulation="not-needed",
+            several_backwards="not-needed"):
+    return PatchStatus(state, version, "", {}, {
+        "grad-norm": (grad_norm, ""),
+        "skipped-step": (skipped_step, ""),
+        "grad-accumulation": (grad_accumulation, ""),
+        "several-backwards": (several_backwards, "")
+    })
 
 
 def _verdicts(config, status):
@@ -50,6 +60,8 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
         "host-sync": ("yes", "yes"),
         "skipped-step": ("yes", "yes"),
         "step-reads": ("yes", "yes"),
+        "dropped-micro-batches": ("no", "-"),
+        "dropped-backwards": ("no", "-"),
     }
     # Unpatched, or with the skipped-step fix off, the defects stay.
     assert _verdicts(_config(UPSTREAM), _status("disabled", "off"))["skipped-step"] == ("yes", "no")
@@ -80,9 +92,34 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
         "host-sync": ("yes", "yes"),
         "skipped-step": ("no", "-"),
         "step-reads": ("yes", "yes"),
+        "dropped-micro-batches": ("no", "-"),
+        "dropped-backwards": ("no", "-"),
     }
     assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
     assert _verdicts(_config(path, data_types__grad_accum_dtype="fp32"), _status())["skipped-step"] == ("yes", "yes")
+
+
+def test_accumulation_over_3_micro_steps_or_several_backwards_on_a_release_with_the_defect():
+    """ZeRO-2 at ``gradient_accumulation_steps`` 4 drops micro-batches where the release has the defect (the fix then
+    applied: fixed; switched off or unpatched: not); accumulation 1 may lose backwards (the config cannot say how
+    many a step takes); on a release whose code is right (``not-needed``) neither."""
+    ga4 = _config(UPSTREAM, zero_optimization__stage=2, gradient_accumulation_steps=4)
+    old = dict(version="0.17.6", grad_accumulation="applied", several_backwards="applied", skipped_step="not-needed")
+    assert _verdicts(ga4, _status(**old))["dropped-micro-batches"] == ("yes", "yes")
+    assert _verdicts(ga4, _status(**dict(old, grad_accumulation="off")))["dropped-micro-batches"] == ("yes", "no")
+    assert _verdicts(ga4, _status(**old))["dropped-backwards"][0] == "no"
+    assert _verdicts(ga4, _status())["dropped-micro-batches"][0] == "no"  # 0.19.8: not-needed
+    assert _verdicts(_config(UPSTREAM, zero_optimization__stage=1, gradient_accumulation_steps=4),
+                     _status(**old))["dropped-micro-batches"][0] == "no"  # ZeRO-1 reduces once, at the boundary
+    ga1 = _config(UPSTREAM, zero_optimization__stage=2, gradient_accumulation_steps=1)
+    assert _verdicts(ga1, _status(**old))["dropped-backwards"] == ("maybe", "yes")
+    unpatched = _status("disabled",
+                        "off",
+                        version="0.17.6",
+                        grad_accumulation="disabled",
+                        several_backwards="disabled")
+    assert _verdicts(ga1, unpatched)["dropped-backwards"] == ("maybe", "no")
+    assert read_job(_config(HF_GENERATED)).grad_accum in (1, 2, "auto")
 
 
 def test_jobs_without_zero_1_2_offload_or_with_a_check_that_never_skips_are_not_affected():

@@ -64,7 +64,8 @@ def test_status_json_is_stable():
     status = json.loads(result.stdout)
     assert set(status) == {
         "package_version", "python", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device",
-        "grad_norm_reason", "skipped_step", "skipped_step_reason"
+        "grad_norm_reason", "skipped_step", "skipped_step_reason", "grad_accumulation", "grad_accumulation_reason",
+        "several_backwards", "several_backwards_reason"
     }
     assert status["state"] == "applied", status
     fix = {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}
@@ -74,7 +75,13 @@ def test_status_json_is_stable():
     } if status["skipped_step"] == "applied" else {}
     grad_norm = {"complete_grad_norm_calculation_for_cpu_offload": "patchable"}
     assert status["grad_norm_on_device"] == "applied", status
-    assert status["methods"] == {**fix, **skipped_step, **grad_norm}, status
+    # The accumulation fixes' methods: a known defective form where they apply, else code that behaves right.
+    accumulation = {
+        method: "patchable" if status[key] == "applied" else "fixed"
+        for method, key in (("async_accumulate_grad_in_cpu_via_gpu", "grad_accumulation"), ("copy_grads_in_partition",
+                                                                                            "several_backwards"))
+    }
+    assert status["methods"] == {**fix, **skipped_step, **grad_norm, **accumulation}, status
 
 
 def test_status_is_readable():

@@ -15,13 +15,15 @@ FLOORS = {
     # nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "changes.overflow_flag.methods", "changes.grad_norm.methods",
-        "changes.skipped_step.methods"),
+        "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one.
-    1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe", "audit.counts"),
+    1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
+        "changes.grad_accumulation.probe", "changes.several_backwards.probe", "audit.counts"),
     2: ("changes.record", ),  # what a change declares
     3: ("guard", ),  # the decision whether to patch, given a change
-    4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step"),  # one record each
+    4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step", "changes.grad_accumulation",
+        "changes.several_backwards"),  # one record each
     5: ("changes", ),  # the registry
     6: ("patch_status", ),  # what status() reports
     7: ("patcher", ),  # applies and reverts, keeps the status
@@ -29,7 +31,7 @@ FLOORS = {
     # verify and the harness); a job's defects from its config.
     8: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
     9: ("testing.models", "audit.command"),
-    10: ("testing.equivalence", "audit"),
+    10: ("testing.equivalence", "testing.oracle", "audit"),
     11: ("verify", "demo", "bench_report"),
     12: ("bench", ),
     13: ("cli", ),

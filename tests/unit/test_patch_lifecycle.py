@@ -215,6 +215,7 @@ def test_a_newer_release_with_a_known_form_is_patched_with_one_info_line_per_cha
         import logging
         import deepspeed_offload_patch as dop
         from deepspeed_offload_patch import log, patcher
+        from deepspeed_offload_patch.changes import CHANGES
         patcher.deepspeed_version = lambda: "0.20.0.dev0"
         calls = []
         log.log_once = lambda level, message: calls.append((logging.getLevelName(level), message))
@@ -223,13 +224,16 @@ def test_a_newer_release_with_a_known_form_is_patched_with_one_info_line_per_cha
         status = dop.status()
         assert status.state == "applied" and dop.is_applied(), status
         assert "DeepSpeed 0.20.0.dev0 is newer than the releases tested" in status.reason, status
-        # One line for the fix, one for the grad norm, one for the skipped-step fix where it applies (0.19.8's code):
-        # each says so.
+        # One INFO line per change that applies, each saying the release is newer than those tested (the fix, the
+        # grad norm, the skipped-step fix where it applies: 0.19.8's code); one for each change whose defect this code
+        # does not have, saying it is not needed (the accumulation fixes: 0.19.8's code behaves right).
         assert status.grad_norm_on_device == "applied", status
-        changes = 3 if status.skipped_step == "applied" else 2
-        assert len(calls) == changes and all(level == "INFO" for level, _ in calls), calls
+        applied = [c for c in CHANGES if status.of(c)[0] == "applied"]
+        needless = [c for c in CHANGES if status.of(c)[0] == "not-needed"]
+        assert len(calls) == len(applied) + len(needless) and all(level == "INFO" for level, _ in calls), calls
         assert "newer than the releases tested" in calls[0][1] and "unfixed form of DeepSpeed" in calls[0][1], calls
-        assert all("newer than the releases tested" in message for _, message in calls), calls
+        assert sum("newer than the releases tested" in message for _, message in calls) == len(applied), calls
+        assert sum(": not needed: " in message for _, message in calls) == len(needless), calls
     """)
     assert warnings_in(output) == [], output
 
