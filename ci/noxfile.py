@@ -648,6 +648,31 @@ def states(session: nox.Session) -> None:
         session.error(f"unexpected states: {', '.join(wrong)}")
 
 
+#: One release per form of each method the oracle reaches: before and after 0.15.2's accumulation change, the
+#: releases between, 0.18.x, and the fixed 0.19.x.
+ORACLE_RELEASES = ("0.14.4", "0.15.1", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8")
+ORACLE = os.path.join(ROOT, "docs", "oracle")
+
+
+@nox.session
+@nox.parametrize("deepspeed", list(ORACLE_RELEASES))
+def oracle(session: nox.Session, deepspeed: str) -> None:
+    """The whole differential oracle (``deepspeed_offload_patch/testing/oracle.py``: every ZeRO stage, accumulation
+    1 - 4 and 4 backwards per step, clipping on and off, fp32 and bf16) on one release, unpatched and patched, each
+    trained twice; writes ``docs/oracle/<release>.json``, from which ``ci/oracle_table.py`` renders docs/releases.md's
+    table. Fails when a patched cell is not right."""
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    os.makedirs(ORACLE, exist_ok=True)
+    session.run("python",
+                "-m",
+                "deepspeed_offload_patch.testing.oracle",
+                "--json",
+                os.path.join(ORACLE, f"{deepspeed}.json"),
+                env=CLEAN)
+    session.run(sys.executable, os.path.join(ROOT, "ci", "oracle_table.py"))
+
+
 @nox.session(python=False)
 def table(session: nox.Session) -> None:
     session.run(sys.executable, os.path.join(ROOT, "ci", "matrix_table.py"))

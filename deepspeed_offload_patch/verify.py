@@ -8,7 +8,9 @@ flag), trains a few steps with each boundary backward under
 :func:`~deepspeed_offload_patch.testing.no_host_sync`, then a NaN gradient must make it skip a step and leave the
 parameters unchanged. Then each change that is neither ``not-needed`` nor ``off`` runs the checks its record names
 (:data:`CHECKS`): ``step-after-a-skip``, a second engine with ``grad_accum_dtype: fp32`` that gets a NaN at one step
-and must skip it and update the parameters at the next. Returns 0 when all hold, 1 otherwise.
+and must skip it and update the parameters at the next; ``every-micro-batch`` and ``every-backward``, ZeRO-2 jobs of
+3 micro-steps and of 2 backwards per step whose gradient norms and parameters must be what plain PyTorch computes
+(:mod:`deepspeed_offload_patch.testing.oracle`). Returns 0 when all hold, 1 otherwise.
 """
 
 from typing import Any, Dict
@@ -98,12 +100,41 @@ def _step_after_a_skip(precision: str) -> Dict[str, bool]:
     }
 
 
+def _learns_like_pytorch(cell_options: Dict[str, Any]):
+    """A check that trains one oracle cell (ZeRO-2, fp32, this rank alone) and compares every step's gradient norm and
+    the parameters with the same job in plain PyTorch, to a tolerance that a GPU's own rounding stays within and a
+    dropped micro-batch does not (it changes the norm by a third or more)."""
+
+    def check(precision: str) -> Dict[str, bool]:
+        from deepspeed_offload_patch.testing import oracle
+
+        cell = oracle.Cell(stage=2, **cell_options)
+        problems = oracle.compare(cell, oracle.train(cell), oracle.reference(cell, 1), tolerance=VERIFY_TOLERANCE)
+        return {
+            "norms_match": not any("norm" in p for p in problems),
+            "params_match": not any("param" in p for p in problems)
+        }
+
+    return check
+
+
+#: (absolute, relative) tolerance of the oracle checks: a GPU's fp32 sums differ from the CPU's in the last bits.
+VERIFY_TOLERANCE = (1e-4, 1e-3)
+
 #: The checks a change can name in its record's ``verify_checks``: the function run in the rank (given the
 #: precision; it returns ``{finding: bool}``, all true when it passes), what it proves, and what its failure shows.
 CHECKS = {
     "step-after-a-skip":
     (_step_after_a_skip, "with fp32 gradient accumulation, the step after a skipped one updates the parameters",
      "with fp32 gradient accumulation, the step after a skipped one did not update the parameters"),
+    "every-micro-batch":
+    (_learns_like_pytorch(dict(grad_accum=3)),
+     "with gradient_accumulation_steps 3, each step trains on all 3 micro-batches, as plain PyTorch does",
+     "with gradient_accumulation_steps 3, the steps did not train on what plain PyTorch trains on"),
+    "every-backward":
+    (_learns_like_pytorch(dict(backwards=2)),
+     "with 2 backwards per step (set_gradient_accumulation_boundary), each step trains on both, as plain PyTorch does",
+     "with 2 backwards per step, the steps did not train on what plain PyTorch trains on"),
 }
 
 

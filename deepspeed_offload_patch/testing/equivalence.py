@@ -582,8 +582,9 @@ def run_side(side: str,
     only the upstream change (``UPSTREAM_ONLY``) or as this process's switch says (``CURRENT``); returns each rank's
     result. The ranks are the runs' ``world_size`` (all runs must share
     it), or ``world_size`` where given. ``setup`` must pickle (a module-level function). The ranks come from the
-    fork server (``run_distributed(fork_server=True)``): call it from a test process or a script run by path, not
-    from a ``python -m`` module of this package.
+    fork server (``run_distributed(fork_server=True)``): call it from a test process (pytest), not from a script or
+    module whose ``__main__`` imports this package (each rank imports the caller's ``__main__`` before it takes this
+    call's environment, so the package there would read the switches of the fork server's first caller).
 
     Raises:
         ValueError: the runs ask for different world sizes.

@@ -136,9 +136,10 @@ def run_distributed(fn: Callable[..., Any],
 
     ``fork_server=True`` (where the platform has one; Linux) starts the ranks from a fork server that has imported
     torch and nothing else, instead of a fresh interpreter each: about 2.5 s of CPU less per rank, most of a small
-    job's time (the test suite's jobs). Not for a caller run as ``python -m`` one of this package's modules: every
-    rank imports the caller's ``__main__`` before its environment is set, and this package's switches are read when
-    it is imported.
+    job's time (the test suite's jobs). Not for a caller whose ``__main__`` (a script, or ``python -m`` one of this
+    package's modules) imports this package: every rank imports the caller's ``__main__`` before its environment is
+    set, in the environment of the fork server's first caller, and this package's switches are read when it is
+    imported. pytest's ``__main__`` imports nothing of it.
 
     Raises:
         DistributedFailure: a rank raised (its traceback is in the message), died without a result, or did not

@@ -204,3 +204,35 @@ def test_ci_readme_s_phase_times_are_the_measured_ones():
     assert ci_times.tables() in section, ci_times.tables()
     assert idle[-1][1] < 50 * 60, idle[-1]
     assert (loaded[-1][1] < 90 * 60) == ("over CI's 90 minutes" not in section), loaded[-1]
+
+
+def test_the_oracle_table_is_the_recorded_runs():
+    """docs/releases.md holds the oracle table as ``ci/oracle_table.py`` renders it from docs/oracle/*.json, and every
+    recorded run shows the package right on every ZeRO-1/2 cell, patched."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    import oracle_table
+    runs = oracle_table.load()
+    assert runs, "no oracle run is recorded under docs/oracle"
+    with open(os.path.join(ROOT, "docs", "releases.md")) as f:
+        assert oracle_table.table(runs) in _between(f.read(), "oracle")
+    for release, run in runs.items():
+        wrong = [cell["name"] for cell in run["cells"] if cell["stage"] != 3 and cell["patched"] != "right"]
+        assert not wrong, (release, wrong)
+
+
+def test_the_accumulation_counts_are_the_measured_ones():
+    """docs/performance.md's table is what the benchmark wrote at gradient accumulation 4 (docs/performance.json), on
+    a release where both accumulation fixes apply; with the package's defaults the whole step's host syncs do not grow
+    with N."""
+    import json
+
+    from deepspeed_offload_patch.bench_report import render_readme
+
+    with open(os.path.join(ROOT, "docs", "performance.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        assert render_readme(data) in _between(f.read(), "bench")
+    assert data["grad_accum"] == 4 and data["deepspeed"].strip() == "0.17.6", (data["grad_accum"], data["deepspeed"])
+    for mode in {row["mode"] for row in data["results"]["patched+grad-norm"]}:
+        counts = {row["whole_syncs"] for row in data["results"]["patched+grad-norm"] if row["mode"] == mode}
+        assert len(counts) == 1, (mode, counts)

@@ -1,0 +1,103 @@
+# Copyright (c) deepspeed_offload_patch contributors.
+# SPDX-License-Identifier: Apache-2.0
+"""Render docs/releases.md's oracle table from the runs ``nox -s oracle`` wrote (``docs/oracle/<release>.json``).
+
+One row per ZeRO stage and way of accumulating, one column per release; each entry is ``unpatched → patched`` over
+the row's four cells (clipping on and off, fp32 and bf16): ``right`` when all are, else how many are wrong, raised
+(``error``) or came out differently run to run (``unstable``). ``--check`` writes nothing and exits 1 when the
+document holds another table.
+
+    python ci/oracle_table.py            # rewrite the table in docs/releases.md
+    python ci/oracle_table.py --check
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections import Counter
+
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "docs", "oracle")
+DOC = os.path.join(ROOT, "docs", "releases.md")
+START, END = "<!-- oracle:start -->", "<!-- oracle:end -->"
+
+
+def load(folder: str = RUNS) -> dict:
+    """``{release: run}`` of every ``<release>.json`` in ``folder``, oldest release first."""
+    runs = {}
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        with open(path) as f:
+            run = json.load(f)
+        runs[run["deepspeed"]] = run
+    return dict(sorted(runs.items(), key=lambda item: Version(item[0])))
+
+
+def _row_key(cell: dict) -> tuple:
+    way = f"{cell['backwards']} backwards per step" if cell["backwards"] > 1 else f"accumulation {cell['grad_accum']}"
+    stage = f"ZeRO-{cell['stage']}" + (" + offload_param" if cell["offload_param"] else "")
+    return stage, way
+
+
+def _summary(outcomes: list) -> str:
+    counts = Counter(outcomes)
+    if set(counts) == {"right"}:
+        return "right"
+    return ", ".join(f"**{kind}** {n}/{len(outcomes)}" for kind, n in sorted(counts.items()) if kind != "right")
+
+
+def table(runs: dict) -> str:
+    """The markdown table of ``runs`` (:func:`load`)."""
+    if not runs:
+        return "(no oracle run recorded: `nox -s oracle`)"
+    rows: dict = {}
+    for release, run in runs.items():
+        for cell in run["cells"]:
+            entry = rows.setdefault(_row_key(cell), {}).setdefault(release, {"unpatched": [], "patched": []})
+            for side in entry:
+                entry[side].append(cell[side])
+    releases = list(runs)
+    heads = [f"{release} (x{runs[release].get('repeats', 1)})" for release in releases]
+    lines = ["| job | " + " | ".join(heads) + " |", "| --- |" + " --- |" * len(releases)]
+    for (stage, way), by_release in rows.items():
+        entries = []
+        for release in releases:
+            found = by_release.get(release)
+            entries.append("-" if found is None else f"{_summary(found['unpatched'])} → {_summary(found['patched'])}")
+        lines.append(f"| {stage}, {way} | " + " | ".join(entries) + " |")
+    first = next(iter(runs.values()))
+    lines.append("")
+    lines.append(f"(unpatched → patched; each entry over 4 cells: clipping on/off x fp32/bf16, each trained as many "
+                 f"times as the column says (x2: twice) on {first['world_size']} ranks; torch "
+                 f"{', '.join(sorted({run['torch'] for run in runs.values()}))})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/releases.md holds another table")
+    args = parser.parse_args(argv)
+    with open(DOC) as f:
+        text = f.read()
+    if START not in text or END not in text:
+        print(f"{DOC} has no {START} ... {END} block")
+        return 1
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = f"{head}{START}\n{table(load())}\n{END}{tail}"
+    if args.check:
+        if new != text:
+            print(f"{DOC}: the oracle table differs from docs/oracle/*.json; run python ci/oracle_table.py")
+            return 1
+        return 0
+    with open(DOC, "w") as f:
+        f.write(new)
+    print(f"wrote the oracle table of {len(load())} releases into {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
