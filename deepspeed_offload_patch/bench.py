@@ -123,15 +123,15 @@ PHASES = ("before", "backward", "step")  # one optimizer step: the micro-steps b
 # the boundary backward, step()
 
 
-def _phases(engine, step: int) -> Dict[str, Callable[[], None]]:
-    """One optimizer step of ``GRAD_ACCUM`` micro-steps, as three callables to run in order (see ``PHASES``)."""
+def _phases(engine, step: int, grad_accum: int = GRAD_ACCUM) -> Dict[str, Callable[[], None]]:
+    """One optimizer step of ``grad_accum`` micro-steps, as three callables to run in order (see ``PHASES``)."""
     held = {}
 
     def before() -> None:
-        for micro in range(GRAD_ACCUM - 1):
-            engine.backward(engine(batch(engine, step * GRAD_ACCUM + micro)))
+        for micro in range(grad_accum - 1):
+            engine.backward(engine(batch(engine, step * grad_accum + micro)))
             optimizer_step(engine)  # DeepSpeed counts micro-steps in step(); it updates only at the boundary
-        held["loss"] = engine(batch(engine, step * GRAD_ACCUM + GRAD_ACCUM - 1))
+        held["loss"] = engine(batch(engine, step * grad_accum + grad_accum - 1))
 
     return {
         "before": before,
@@ -155,14 +155,19 @@ def _cuda_sync_events(run: Callable[[], None]) -> Dict[str, int]:
     return counts
 
 
-def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -> Dict[str, Any]:
-    engine = make_engine(num_tensors, config=ds_config(stage=stage, grad_accum=GRAD_ACCUM, **MODES[mode]))
+def _measure(stage: int,
+             mode: str,
+             num_tensors: int,
+             warmup: int,
+             steps: int,
+             grad_accum: int = GRAD_ACCUM) -> Dict[str, Any]:
+    engine = make_engine(num_tensors, config=ds_config(stage=stage, grad_accum=grad_accum, **MODES[mode]))
     probe = _TrackerProbe(engine.optimizer)
     times: Dict[str, List[float]] = {f"{phase}_s": [] for phase in PHASES + ("whole", "tracker")}
     result: Dict[str, Any] = {}
     profiled = 1 if engine.device.type == "cuda" else 0  # on CUDA one more step, profiled, after the counting one
     for step in range(1 + profiled + warmup + steps):
-        phases = _phases(engine, step)
+        phases = _phases(engine, step, grad_accum)
         if step == 0:  # the counting step: counters slow things down, so nothing is timed here
             for phase, run in phases.items():
                 probe.count_ops = phase == "backward"
@@ -197,7 +202,7 @@ def _measure(stage: int, mode: str, num_tensors: int, warmup: int, steps: int) -
     return result
 
 
-def _rank_job(configs: List[tuple], warmup: int, steps: int) -> List[Dict[str, Any]]:
+def _rank_job(configs: List[tuple], warmup: int, steps: int, grad_accum: int = GRAD_ACCUM) -> List[Dict[str, Any]]:
     import warnings
 
     import deepspeed_offload_patch
@@ -206,7 +211,7 @@ def _rank_job(configs: List[tuple], warmup: int, steps: int) -> List[Dict[str, A
     state = deepspeed_offload_patch.status()
     rows = []
     for stage, mode, num_tensors in configs:
-        row = _measure(stage, mode, num_tensors, warmup, steps)
+        row = _measure(stage, mode, num_tensors, warmup, steps, grad_accum)
         row.update(stage=stage,
                    mode=mode,
                    n=num_tensors,
@@ -256,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=list(MODES),
                         choices=list(MODES),
                         help="precisions: bf16 with the overflow check on, off, fp32 (default all)")
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=GRAD_ACCUM,
+        help=f"micro-steps per optimizer step (default {GRAD_ACCUM}; 4 shows the gradient-accumulation "
+        "fix adds no host sync)")
     parser.add_argument("--warmup", type=int, help="untimed steps after the counting step (default 2, quick 1)")
     parser.add_argument("--steps", type=int, help="timed steps (default 5, quick 3)")
     parser.add_argument("--world-size",
@@ -312,13 +323,18 @@ def main(argv=None) -> int:
     results = {}
     for variant, env in VARIANTS.items():
         print(f"running {variant}: {len(configs)} configurations on {args.world_size} ranks", flush=True)
-        per_rank = run_distributed(_rank_job, args.world_size, args=(configs, warmup, steps), env=env, timeout=3600)
+        per_rank = run_distributed(_rank_job,
+                                   args.world_size,
+                                   args=(configs, warmup, steps, args.grad_accum),
+                                   env=env,
+                                   timeout=3600)
         results[variant] = _combine(per_rank)
 
     data = {
         "world_size": args.world_size,
         "warmup": warmup,
         "steps": steps,
+        "grad_accum": args.grad_accum,
         "torch": torch.__version__,
         "deepspeed": _deepspeed_version(),
         "results": results

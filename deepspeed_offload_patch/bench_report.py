@@ -115,10 +115,11 @@ def plot(results: Dict[str, List[Dict[str, Any]]], path: str, stage: int) -> boo
 def render_readme(data: Dict[str, Any]) -> str:
     """The caption and table that ``--readme`` writes, from the benchmark's JSON (``docs/benchmark.json``)."""
     results = data["results"]
-    caption = (f"device: {results['patched'][0]['device']}, {data['world_size']} ranks, torch {data['torch']}, "
-               f"DeepSpeed {data['deepspeed']}, gradient accumulation {GRAD_ACCUM}; syncs per rank; times in ms, "
-               f"median of {data['steps']} steps after {data['warmup']} warm-up, the slowest rank's. patched: "
-               f"{GRAD_NORM}=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
+    caption = (
+        f"device: {results['patched'][0]['device']}, {data['world_size']} ranks, torch {data['torch']}, "
+        f"DeepSpeed {data['deepspeed']}, gradient accumulation {data.get('grad_accum', GRAD_ACCUM)}; syncs per rank; times in ms, "
+        f"median of {data['steps']} steps after {data['warmup']} warm-up, the slowest rank's. patched: "
+        f"{GRAD_NORM}=0 (the boundary backward's fix alone); +grad norm: the package's defaults")
     return f"{caption}\n\n{render_table(results)}"
 
 

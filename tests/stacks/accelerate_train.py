@@ -19,6 +19,8 @@ import sys
 parser = argparse.ArgumentParser()
 parser.add_argument("--import-patch", action="store_true")
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--grad-accum", type=int, default=2, help="as the DeepSpeed config's (default 2)")
+parser.add_argument("--save", help="write the parameters after the last step here (rank 0)")
 args = parser.parse_args()
 
 if args.import_patch:
@@ -35,7 +37,7 @@ MICRO_BATCH, SEQUENCE = 2, 8
 
 def main() -> None:
     # The same accumulation as the DeepSpeed config (DeepSpeed's value wins; naming it here keeps Accelerate quiet).
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
     set_seed(SEED)
     config = LlamaConfig(vocab_size=64,
                          hidden_size=16,
@@ -57,9 +59,18 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = model(input_ids=batch, labels=batch).loss
             accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                # DeepSpeed clips by its config's gradient_clipping (this call leaves it to it); a run without
+                # DeepSpeed clips here, by the same 1.0.
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
-    print(f"rank {model.global_rank}: {model.global_steps} steps, last loss {loss.item():.6f}", file=sys.stderr)
+    rank = getattr(model, "global_rank", 0)
+    print(f"rank {rank}: {getattr(model, 'global_steps', args.steps)} steps, last loss {loss.item():.6f}",
+          file=sys.stderr)
+    if args.save and rank == 0:
+        inner = getattr(model, "module", model)
+        torch.save({name: p.detach().float().cpu() for name, p in inner.named_parameters()}, args.save)
     accelerator.end_training()
 
 

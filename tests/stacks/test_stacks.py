@@ -270,6 +270,55 @@ def test_patched_has_no_boundary_sync_and_trains_identically(stack: str, mode: s
     assert not problems, "\n".join(problems)
 
 
+def _accumulating_marks() -> tuple:
+    from deepspeed_offload_patch.testing.installed import has_defect
+    try:
+        return (pytest.mark.fails_unpatched, ) if has_defect("grad-accumulation") else ()
+    except ImportError:  # no DeepSpeed to ask: the test needs it and says so
+        return ()
+
+
+@pytest.mark.parametrize("steps", [pytest.param(4, id="accumulation-4", marks=_accumulating_marks())])
+def test_accelerate_accumulating_over_4_micro_steps_learns_what_plain_accelerate_learns(steps: int,
+                                                                                        tmp_root: str) -> None:
+    """The Accelerate loop at ``gradient_accumulation_steps`` 4, ZeRO-2 with the optimizer offloaded, fp32, launched by
+    ``accelerate launch`` under ``ds-offload-patch run`` (following ``DS_OFFLOAD_PATCH_DISABLE``), ends with the
+    parameters of the same loop run without DeepSpeed (one process: on the CPU, Accelerate counts one process beside
+    DeepSpeed and every rank reads every batch, so the ranks' mean gradient is that process's). Where DeepSpeed drops
+    the micro-batches between the first and the last (0.15.2 - 0.18.x), only the patch makes it so; elsewhere it
+    holds patched and unpatched."""
+    _needs("accelerate")
+    import torch
+
+    out = os.path.join(tmp_root, "accumulation-4")
+    os.makedirs(out, exist_ok=True)
+    env = {
+        "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),
+        "LOCAL_SIZE": str(WORLD_SIZE),
+        "HF_HOME": os.path.join(tmp_root, "hf-home"),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_OFFLOAD_PATCH_DISABLE": os.environ.get("DS_OFFLOAD_PATCH_DISABLE", "0"),
+    }
+    script = ["accelerate_train.py", "--grad-accum", "4", "--steps", str(steps)]
+    launch_command = [
+        os.path.join(BIN, "ds-offload-patch"), "run", "--",
+        os.path.join(BIN, "accelerate"), "launch", "--num_processes",
+        str(WORLD_SIZE), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port",
+        str(free_port()), "--use_deepspeed", "--deepspeed_config_file", "accelerate_ds_config_ga4.json"
+    ] + script + ["--save", os.path.join(out, "deepspeed.pt")]
+    with cpu_shm.removes_leftovers():
+        ran = run_command(launch_command, env=env, cwd=HERE)
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-4000:]
+    plain = run_command([sys.executable] + script + ["--save", os.path.join(out, "plain.pt")], env=env, cwd=HERE)
+    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-4000:]
+    got, want = (torch.load(os.path.join(out, name)) for name in ("deepspeed.pt", "plain.pt"))
+    assert sorted(got) == sorted(want)
+    worst = max(float((got[name] - want[name]).abs().max()) for name in want)
+    assert worst <= 1e-6, f"parameters off by up to {worst:.3g} from the same loop without DeepSpeed"
+
+
 @pytest.mark.fails_unpatched
 def test_the_configs_the_libraries_generate_are_affected_and_fixed() -> None:
     """The HF Trainer and Accelerate configs in ``tests/unit/configs`` are what the installed transformers and
