@@ -240,12 +240,19 @@ def decide_by_methods(change: Change, cls: type, version: str) -> Decision:
     return Decision(State.APPLIED, reason, methods, {name: replacement for name, (_, replacement) in found.items()})
 
 
+def _within_forms(change: Change, version: str) -> bool:
+    """Whether ``version`` is a release that shipped one of ``change``'s (defective) forms."""
+    release = release_of(version)
+    return release is not None and change.form_of(str(release)) is not None
+
+
 def decide_where_defective(change: Change, cls: type, version: str, right: str) -> Decision:
     """:func:`decide_by_methods` for a change whose defect only some releases have (before it came and after
     DeepSpeed fixed it, the code behaves right): where the tracker is in no known form but ``change.probe`` finds it
     behaving right, the change is ``not-needed`` (``right`` says what the release does), not ``upstream-fixed``; a
-    tracker that is this package's replacement text (``patches/`` applied to DeepSpeed's file) stays
-    ``upstream-fixed``. Code in no known form that the probe finds wrong stays ``unsupported``, and the reason says
+    tracker that is this package's replacement text on a release that shipped a defective form (``patches/`` applied
+    to DeepSpeed's file) stays ``upstream-fixed`` (the same text on a release from before the defect is its own code:
+    ``not-needed``). Code in no known form that the probe finds wrong stays ``unsupported``, and the reason says
     what the probe found."""
     decision = decide_by_methods(change, cls, version)
     tracker = change.form_for(cls).tracker
@@ -257,8 +264,8 @@ def decide_where_defective(change: Change, cls: type, version: str, right: str) 
     if decision.state != State.UPSTREAM_FIXED:
         return decision
     ours = {fingerprint(function) for _, function in change.replacements(tracker)}
-    if fingerprint(cls.__dict__[tracker]) in ours:
-        return decision
+    if fingerprint(cls.__dict__[tracker]) in ours and _within_forms(change, version):
+        return decision  # a release that shipped the defect, with the package's text: patches/ applied
     return Decision(State.NOT_NEEDED, f"DeepSpeed {version}: {right} ({tracker} behaves right)", decision.methods)
 
 

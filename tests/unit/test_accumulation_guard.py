@@ -121,6 +121,13 @@ def test_the_package_s_own_text_in_deepspeed_s_file_is_upstream_fixed(tmp_path, 
     assert decision.state == State.UPSTREAM_FIXED and decision.replacements == {}, decision
 
 
+def test_the_same_text_on_a_release_from_before_the_defect_is_not_needed(tmp_path):
+    """0.14.0 - 0.15.1 store the running sum as the fix does, in the same code: there it is the release's own, not a
+    fix applied to it."""
+    decision = GRAD_ACCUMULATION.decide(GRAD_ACCUMULATION, _ours(GRAD_ACCUMULATION, tmp_path), "0.15.1")
+    assert decision.state == State.NOT_NEEDED and decision.replacements == {}, decision
+
+
 @pytest.mark.parametrize("change", [GRAD_ACCUMULATION, SEVERAL_BACKWARDS], ids=lambda c: c.name)
 def test_a_method_replaced_by_another_patch_is_a_conflict(change):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
