@@ -32,7 +32,7 @@ def load(folder: str = RUNS) -> dict:
     for path in glob.glob(os.path.join(folder, "*.json")):
         with open(path) as f:
             run = json.load(f)
-        runs[run["deepspeed"]] = run
+        runs[run["deepspeed"].strip()] = run
     return dict(sorted(runs.items(), key=lambda item: Version(item[0])))
 
 
