@@ -67,6 +67,9 @@ class Change:
       ``(yes/no/maybe, why)`` for an offloaded ZeRO-1/2 job (None: every such job).
     * ``verify_checks``: the behavioural checks of ``ds-offload-patch verify`` (by their names there) that prove it,
       run where it is in a state other than ``not-needed`` or ``off``.
+    * ``corrects_training``: where it applies, it changes what a job learns on purpose (DeepSpeed trains on the wrong
+      gradient there): the equivalence harness then compares the patched runs that reach its defect with unpatched
+      DeepSpeed plus this change alone (``testing.equivalence.TRAINING_FIXED``), and the oracle proves the change.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Change:
     defect: Tuple[str, str] = ("", "")
     affects: Optional[Callable[[Any], Tuple[str, str]]] = None
     verify_checks: Tuple[str, ...] = ()
+    corrects_training: bool = False
 
     @property
     def switch(self) -> Optional[str]:

@@ -39,8 +39,8 @@ __all__ = [
     "BUFFER_OFF", "CLEARED_AFTER_SKIP", "CURRENT", "PATCHED", "UNPATCHED", "UPSTREAM_ONLY", "Fault", "Run",
     "backward_to_boundary", "bad_gradients_survive", "boundary_syncs", "differences", "fault_problems", "flag_is_read",
     "overflow_sticks", "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan",
-    "ranks_agree_on_overflow", "reference_side", "run_side", "set_full_grad_reaches_tracker", "trace_runs",
-    "zenflow_available"
+    "ranks_agree_on_overflow", "reference_side", "run_side", "TRAINING_FIXED", "set_full_grad_reaches_tracker",
+    "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
@@ -56,12 +56,21 @@ BUFFER_OFF = "unpatched-buffer-off"
 #: even without a fault (measured on 0.19.8: the fp32 master partitions differ from the first step), so that
 #: :data:`BUFFER_OFF` is a sound reference at ZeRO-1 only.
 CLEARED_AFTER_SKIP = "unpatched-cleared-after-skip"
+#: Unpatched DeepSpeed with only the changes that correct training installed by the harness (``corrects_training``:
+#: the accumulation fixes, where the release has their defects): the reference for the runs that reach those defects
+#: (ZeRO-2 over 3 or more micro-steps), whose bits the package changes on purpose there (the oracle,
+#: :mod:`deepspeed_offload_patch.testing.oracle`, proves them right). Where no such change applies it is unpatched
+#: DeepSpeed.
+TRAINING_FIXED = "unpatched-training-fixed"
 #: Only the upstream pull request's change (``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1``).
 UPSTREAM_ONLY = "upstream-only"
 #: Read in each rank of the harness: ``0`` turns DeepSpeed's compact gradient partition buffer off.
 COMPACT_BUFFER = "DS_OFFLOAD_TEST_COMPACT_BUFFER"
 #: Read in each rank of the harness: ``1`` zeroes the compact gradient buffers after each skipped step.
 CLEAR_AFTER_SKIP = "DS_OFFLOAD_TEST_CLEAR_AFTER_SKIP"
+#: Read in each rank of the harness: ``1`` installs the changes that correct training on DeepSpeed's class itself (the
+#: package disabled).
+FIX_TRAINING = "DS_OFFLOAD_TEST_FIX_TRAINING"
 # Every change on (each by its own switch), nothing else set.
 _SWITCHES = {
     settings.DISABLE: "0",
@@ -73,6 +82,7 @@ _SWITCHES = {
     settings.UPSTREAM_ONLY: "0",
     COMPACT_BUFFER: "1",
     CLEAR_AFTER_SKIP: "0",
+    FIX_TRAINING: "0",
 }
 #: Each side's switches, whatever the calling process has: the sides must differ in the patch and nothing else.
 SIDE_ENV = {
@@ -85,6 +95,10 @@ SIDE_ENV = {
     CLEARED_AFTER_SKIP: dict(_SWITCHES, **{
         settings.DISABLE: "1",
         CLEAR_AFTER_SKIP: "1"
+    }),
+    TRAINING_FIXED: dict(_SWITCHES, **{
+        settings.DISABLE: "1",
+        FIX_TRAINING: "1"
     }),
     UPSTREAM_ONLY: dict(_SWITCHES, **{settings.UPSTREAM_ONLY: "1"}),
 }
@@ -221,10 +235,13 @@ def overflow_sticks(run: Run, result: Optional[Sequence[Dict[str, Any]]] = None)
 def reference_side(run: Run) -> str:
     """The side that the patched processes must train ``run`` bit-identically to: :data:`UNPATCHED`, except where
     the skipped-step fix changes the run (a fault, and DeepSpeed keeping it in its compact buffer): there unpatched
-    DeepSpeed without that defect, :data:`BUFFER_OFF` at ZeRO-1 and :data:`CLEARED_AFTER_SKIP` at ZeRO-2."""
-    if not (run.faults and overflow_sticks(run)):
-        return UNPATCHED
-    return BUFFER_OFF if run.stage == 1 else CLEARED_AFTER_SKIP
+    DeepSpeed without that defect, :data:`BUFFER_OFF` at ZeRO-1 and :data:`CLEARED_AFTER_SKIP` at ZeRO-2; and at
+    ZeRO-2 over 3 or more micro-steps, :data:`TRAINING_FIXED`."""
+    if run.faults and overflow_sticks(run):
+        return BUFFER_OFF if run.stage == 1 else CLEARED_AFTER_SKIP
+    # ZeRO-2 accumulating over 3 or more micro-steps: where DeepSpeed drops the ones between (0.15.2 - 0.18.x), the
+    # package's fix changes the bits on purpose; elsewhere TRAINING_FIXED trains as UNPATCHED does.
+    return TRAINING_FIXED if run.stage == 2 and run.grad_accum >= 3 else UNPATCHED
 
 
 def invalid_norm_skips_step() -> bool:
@@ -501,6 +518,21 @@ def method_origins() -> Dict[str, str]:
     }
 
 
+def _fix_training_only() -> None:
+    """Install, on DeepSpeed's own class, the replacements of the changes that correct training, where their guard
+    would apply them (the package itself disabled): :data:`TRAINING_FIXED`'s DeepSpeed."""
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_offload_patch.changes import CHANGES
+
+    for change in CHANGES:
+        if change.corrects_training:
+            decision = change.decide(change, DeepSpeedZeroOptimizer, deepspeed.__version__)
+            for name, function in decision.replacements.items():
+                setattr(DeepSpeedZeroOptimizer, name, function)
+
+
 def trace_runs(runs: Sequence[Run],
                setup: Optional[Callable[[], None]] = None,
                save_root: Optional[str] = None,
@@ -520,6 +552,8 @@ def trace_runs(runs: Sequence[Run],
         os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     if os.environ.get(COMPACT_BUFFER) == "0":
         _turn_compact_buffer_off()
+    if os.environ.get(FIX_TRAINING) == "1":
+        _fix_training_only()
     if setup is not None:
         setup()
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer

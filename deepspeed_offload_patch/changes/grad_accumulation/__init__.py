@@ -73,5 +73,6 @@ CHANGE = Change(
     "gradient_accumulation_steps >= 3 reaches the step)",
     defect=("dropped-micro-batches", "gradient accumulation over 3+ micro-steps drops all but the first and last"),
     affects=affects,
+    corrects_training=True,
     verify_checks=("every-micro-batch", ),
 )

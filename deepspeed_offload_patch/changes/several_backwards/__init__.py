@@ -68,5 +68,6 @@ CHANGE = Change(
     "with gradient_accumulation_steps 1)",
     defect=("dropped-backwards", "several backward() per step keep only the last"),
     affects=affects,
+    corrects_training=True,
     verify_checks=("every-backward", ),
 )
