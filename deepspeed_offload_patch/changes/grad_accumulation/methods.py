@@ -18,6 +18,9 @@ is the same text (``ci/make_patches.py`` writes ``patches/`` from each).
 import torch
 
 
+# yapf: disable
+# (DeepSpeed's own wrapping of its lines, which yapf would rewrap: the diffs under patches/ change only what the fix
+# changes.)
 def async_accumulate_grad_in_cpu_via_gpu_fp16_master(self, param):
     param_id = self.get_param_id(param)
 
@@ -41,8 +44,9 @@ def async_accumulate_grad_in_cpu_via_gpu_fp16_master(self, param):
             dest_buffer.copy_(self.accumulated_grads_in_cpu[param_id].view(-1), non_blocking=True)
             grad_accum.data.view(-1).add_(dest_buffer)
         else:
-            dest_buffer.narrow(0, source_offset, num_elements).copy_(self.accumulated_grads_in_cpu[param_id].view(-1),
-                                                                     non_blocking=True)
+            dest_buffer.narrow(0, source_offset,
+                               num_elements).copy_(self.accumulated_grads_in_cpu[param_id].view(-1),
+                                                   non_blocking=True)
             grad_accum.data.view(-1).narrow(0, source_offset,
                                             num_elements).add_(dest_buffer.narrow(0, source_offset, num_elements))
 
@@ -89,8 +93,9 @@ def async_accumulate_grad_in_cpu_via_gpu(self, param):
             dest_buffer.copy_(self.accumulated_grads_in_cpu[param_id].view(-1), non_blocking=True)
             grad_accum.data.view(-1).add_(dest_buffer)
         else:
-            dest_buffer.narrow(0, source_offset, num_elements).copy_(self.accumulated_grads_in_cpu[param_id].view(-1),
-                                                                     non_blocking=True)
+            dest_buffer.narrow(0, source_offset,
+                               num_elements).copy_(self.accumulated_grads_in_cpu[param_id].view(-1),
+                                                   non_blocking=True)
             grad_accum.data.view(-1).narrow(0, source_offset,
                                             num_elements).add_(dest_buffer.narrow(0, source_offset, num_elements))
 
@@ -113,6 +118,8 @@ def async_accumulate_grad_in_cpu_via_gpu(self, param):
     if not self.is_gradient_accumulation_boundary:
         copy_gradients_to_cpu()
 
+
+# yapf: enable
 
 # Imported last: importing DeepSpeed from here may run the patch hook, which reads the functions above. They look
 # these names up when they are called, as DeepSpeed's own methods do.
