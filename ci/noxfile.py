@@ -162,7 +162,7 @@ def _verify_pins(session: nox.Session) -> None:
                 session.env["PIP_CONSTRAINT"])
 
 
-def _extensions_dir(session: nox.Session, label: str, empty: bool = False) -> str:
+def _extensions_dir(session: nox.Session, label: str, empty: bool = False) -> None:
     """Give the DeepSpeed just installed its own ``TORCH_EXTENSIONS_DIR`` (``torch_extensions-<label>`` in the
     virtualenv: releases overwrite each other's JIT builds in a shared one, and the ci sessions install several in one
     virtualenv); ``empty``: remove what an earlier run built there."""
@@ -170,7 +170,6 @@ def _extensions_dir(session: nox.Session, label: str, empty: bool = False) -> st
     if empty and os.path.exists(folder):
         shutil.rmtree(folder)
     session.env["TORCH_EXTENSIONS_DIR"] = folder
-    return folder
 
 
 def _build_ops(session: nox.Session, label: str) -> None:
@@ -256,31 +255,26 @@ def release(session: nox.Session, deepspeed: str) -> None:
     _release(session, deepspeed, session.posargs)
 
 
-def _launches_ranks(deepspeed: str, profiles) -> bool:
-    """Whether a ``_release`` step starts ranks through a launcher (they load DeepSpeed's CPU shm op): the training
-    stacks and the whole mechanics suite do; ``smoke``, ``lite`` and ``core`` run only the package's own ranks
-    (:func:`deepspeed_offload_patch.testing.launch.run_distributed`, ``verify``), which turn the op off."""
-    if "stacks" in profiles or "stacks-launcher" in profiles:
-        return True
-    return not ({"smoke", "lite", "core"} & set(profiles) or Version(deepspeed) < Version("0.17.1"))
-
-
 def _release(session: nox.Session, deepspeed: str, profiles) -> None:
     os.makedirs(REPORTS, exist_ok=True)
-    ops = _launches_ranks(deepspeed, profiles)
+    suite = next((p for p in ("smoke", "lite") if p in profiles), None)
+    if suite is None:
+        suite = "core" if "core" in profiles or Version(deepspeed) < Version("0.17.1") else "suite"
+    # Only the stacks' launchers and the whole mechanics suite start ranks that load DeepSpeed's CPU shm op; smoke,
+    # lite and core start only the package's own ranks (testing.launch.run_distributed, verify), which turn it off.
+    ops = "stacks" in profiles or "stacks-launcher" in profiles or suite == "suite"
     _install(session, deepspeed, ops=ops)
     session.chdir(ROOT)
     status = _status(session, env=CLEAN)
     result = {"release": deepspeed, "state": status["state"], "expected": State.APPLIED}
     result.update(changes_result(status, deepspeed))
     result["torch"] = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
-    if "smoke" in profiles:
+    if suite == "smoke":
         result.update(_smoke(session, deepspeed))
-    elif "lite" in profiles:
+    elif suite == "lite":
         result.update(_lite(session, deepspeed))
     else:
-        core = "core" in profiles or Version(deepspeed) < Version("0.17.1")
-        result.update(_suite(session, deepspeed, core=core, ci="ci" in profiles))
+        result.update(_suite(session, deepspeed, core=suite == "core", ci="ci" in profiles))
     if "no-diff" not in profiles:
         result.update(_with_diff(session, deepspeed))
     if not ops:
@@ -415,7 +409,7 @@ def _finish_layout(session: nox.Session, kind: str, deepspeed: str, tests: dict,
     with open(os.path.join(LAYOUTS, f"{kind}-{deepspeed}.json"), "w") as f:
         json.dump(result, f, indent=2)
     session.log(json.dumps({k: result.get(k, "not run") for k in ("release", "tests", "red_green")}))
-    if tests["failed"] or tests["skipped"] or not tests["passed"] or result["red_green"] != "pass":
+    if tests["failed"] or tests["skipped"] or not tests["passed"] or result.get("red_green", "pass") != "pass":
         session.error(f"DeepSpeed {deepspeed}: {kind} {result}")
 
 
@@ -441,8 +435,8 @@ def variant(session: nox.Session, kind: str) -> None:
 @nox.session
 def variants(session: nox.Session) -> None:
     """CI's variants (:data:`CI_VARIANTS`) in one virtualenv, each build installed over the last: torch and the tools
-    are installed once, and each runs ``lite``: ``truth-test`` its own test, ``fixed-differently`` the sync tests on
-    upstream's fixed code, each with its state and the upstream watch."""
+    are installed once: ``truth-test`` (which must read ``unsupported``) its own test, ``fixed-differently`` the sync
+    tests on upstream's fixed code (``lite``), each with its state and the upstream watch."""
     _ci_variants(session)
 
 
@@ -471,10 +465,7 @@ def _variant(session: nox.Session, kind: str, profile: str) -> None:
     result.update(state=status["state"], **changes_result(status, version, kind))
     result["watch"] = _watch(session, kind, should_pass=expected != State.UNSUPPORTED)
     if expected == State.APPLIED:
-        if profile == "smoke":
-            result.update(_smoke(session, kind))
-        else:
-            result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
+        result.update(_lite(session, kind) if profile == "lite" else _suite(session, kind, core=True))
     elif expected == State.UPSTREAM_FIXED:
         session.run("python", "-m", "deepspeed_offload_patch", "check", env=CLEAN)
         # The package patches nothing of the fix here: the tests run on DeepSpeed's own fixed code. (The equivalence
@@ -517,8 +508,9 @@ def _watch(session: nox.Session, name: str, should_pass: bool) -> dict:
 
 
 def _with_diff(session: nox.Session, deepspeed: str) -> dict:
-    """Apply the release's diffs (the fix, the grad norm, the skipped-step fix) to the installed file; then, with the
-    monkey-patch disabled, both must read as upstream-fixed and the ZeRO tests must pass on the diffs alone."""
+    """Apply the release's diff of each change that has a form there (the sync fix, the grad norm, the skipped-step
+    fix, the two accumulation fixes) to the installed file; then, with the monkey-patch disabled, each must read as
+    upstream-fixed and the ZeRO tests must pass on the diffs alone."""
     site = _site_packages(session)
     path = os.path.join(site, TARGET)
     backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
@@ -635,6 +627,62 @@ def pythons(session: nox.Session) -> None:
         result["tests"] = {key: result["tests"][key] + same[key] for key in result["tests"]}
         result["suite"] = " + ".join(part for part in (result["suite"], "2-rank ZeRO-2 bit identity") if part)
         _finish(session, f"python-{session.python}-{deepspeed}", result)
+
+
+# The release the newest torch runs with: the newest DeepSpeed the package knows.
+NEWEST_TORCH_RELEASE = "0.19.8"
+
+
+def _torch_requirements(session: nox.Session) -> list:
+    """The names the installed torch requires (``nvidia-*`` and ``triton`` in a CUDA build), read from its
+    metadata."""
+    code = ("import importlib.metadata as m, re; "
+            "print(' '.join(re.match(r'[A-Za-z0-9._-]+', r).group(0) for r in (m.requires('torch') or [])))")
+    return session.run("python", "-c", code, silent=True).split()
+
+
+@nox.session
+def newest_torch(session: nox.Session) -> None:
+    """The newest torch on the index with DeepSpeed :data:`NEWEST_TORCH_RELEASE`, as a user who upgrades torch meets
+    the package: ``status`` must read ``applied`` with each change as on torch 2.13.0, ``check`` and ``verify`` pass,
+    the boundary-backward sync tests and ``SAME_BITS`` (2 ranks, patched and unpatched bit for bit) pass. torch is
+    installed with the machine's pip configuration bypassed (``PIP_CONFIG_FILE`` set to the null device, no
+    constraint: a machine may cap torch below the newest), from ``$TORCH_INDEX_URL`` or PyPI (a CUDA build there,
+    several GB); the rest keeps the pinned test environment, less torch and what torch requires. Writes
+    ``reports/matrix/torch-<version>.json``, a row of the matrix's table (its torch in the "built from" column).
+    On demand, not in CI: the newest torch changes without a commit here.
+
+        nox -f ci/noxfile.py -s newest_torch
+    """
+    os.makedirs(REPORTS, exist_ok=True)
+    session.env["PIP_CONFIG_FILE"] = os.devnull
+    session.env["PIP_CONSTRAINT"] = ""
+    index = os.environ.get("TORCH_INDEX_URL")
+    session.install("--upgrade", "torch", *(["--index-url", index] if index else []))
+    torch = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).split()[-1]
+    freed = {"deepspeed", "torch", *_torch_requirements(session)}
+    with open(pin.CONSTRAINTS) as f:
+        lines = pin.without(f.read(), freed).splitlines()
+    path = os.path.join(session.virtualenv.location, "constraints.txt")
+    with open(path, "w") as f:  # CUDA builds pin nvidia-* packages of their own, named or not in torch's metadata
+        f.write("\n".join(line for line in lines if not line.startswith(("nvidia-", "triton"))) + "\n")
+    session.env["PIP_CONSTRAINT"] = path
+    session.install(f"deepspeed=={NEWEST_TORCH_RELEASE}", "pytest", "packaging", "sybil")
+    session.install("--no-deps", "--force-reinstall", ROOT)
+    _verify_pins(session)
+    # The steps below start only the package's own ranks, which turn DeepSpeed's CPU shm op off.
+    _extensions_dir(session, f"torch-{torch}", empty=True)
+    session.chdir(ROOT)
+    name = f"torch-{torch.split('+')[0]}"
+    result = {"release": NEWEST_TORCH_RELEASE, "expected": State.APPLIED, "torch": torch}
+    status = _status(session, env=CLEAN)
+    result.update(state=status["state"], **changes_result(status, NEWEST_TORCH_RELEASE))
+    result.update(_smoke(session, name))
+    same = _pytest(session, f"{name}-same-bits", *SAME_BITS, env=CLEAN)
+    result["tests"] = {key: result["tests"][key] + same[key] for key in result["tests"]}
+    result["suite"] += " + 2-rank ZeRO-2 bit identity"
+    _nothing_built(session)
+    _finish(session, name, result)
 
 
 @nox.session(python=False)

@@ -12,12 +12,13 @@ the global norm of that gradient, clipping by it, and ``torch.optim.AdamW`` with
 without offload is no safe reference: some releases are wrong there too.
 
 :func:`compare` names what differs: every parameter after the steps and the global gradient norm of every step. fp32
-must agree to :data:`FP32_TOLERANCE`; bf16 (DeepSpeed's model and gradients in bf16, the reference's in fp32) to
+must agree to :data:`FP32_TOLERANCE`; bf16 (DeepSpeed's model and gradients in bf16, the reference's forward and
+backward on a bf16 copy of fp32 master weights, its sums and its optimizer in fp32) to
 :data:`BF16_TOLERANCE`, where DeepSpeed is right, measured on 0.19.8, and well under what a dropped micro-batch
 changes.
 
 :func:`run` trains every cell unpatched and patched, each twice (a cell whose runs disagree is ``unstable``: ZeRO-3 on
-0.16.9 and 0.17.6 on the CPU accelerator, measured); ``nox -s oracle`` runs it on one release per form and
+0.17.6 on the CPU accelerator, in docs/oracle/0.17.6.json); ``nox -s oracle`` runs it on one release per form and
 ``ci/oracle_table.py`` renders docs/releases.md's table from what it wrote.
 
     python -m deepspeed_offload_patch.testing.oracle --json oracle.json   # exit 1 when a patched ZeRO-1/2 cell is wrong

@@ -278,7 +278,7 @@ def _accumulating_marks() -> tuple:
         return ()
 
 
-@pytest.mark.parametrize("steps", [pytest.param(4, id="accumulation-4", marks=_accumulating_marks())])
+@pytest.mark.parametrize("steps", [pytest.param(4, id="4-steps", marks=_accumulating_marks())])
 def test_accelerate_accumulating_over_4_micro_steps_learns_what_plain_accelerate_learns(steps: int,
                                                                                         tmp_root: str) -> None:
     """The Accelerate loop at ``gradient_accumulation_steps`` 4, ZeRO-2 with the optimizer offloaded, fp32, launched by

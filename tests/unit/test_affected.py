@@ -113,13 +113,15 @@ def test_accumulation_over_3_micro_steps_or_several_backwards_on_a_release_with_
                      _status(**old))["dropped-micro-batches"][0] == "no"  # ZeRO-1 reduces once, at the boundary
     ga1 = _config(UPSTREAM, zero_optimization__stage=2, gradient_accumulation_steps=1)
     assert _verdicts(ga1, _status(**old))["dropped-backwards"] == ("maybe", "yes")
+    assert _verdicts(_config(UPSTREAM, zero_optimization__stage=1, gradient_accumulation_steps=1),
+                     _status(**old))["dropped-backwards"][0] == "no"  # ZeRO-1: every backward reaches the boundary
     unpatched = _status("disabled",
                         "off",
                         version="0.17.6",
                         grad_accumulation="disabled",
                         several_backwards="disabled")
     assert _verdicts(ga1, unpatched)["dropped-backwards"] == ("maybe", "no")
-    assert read_job(_config(HF_GENERATED)).grad_accum in (1, 2, "auto")
+    assert read_job(_config(HF_GENERATED)).grad_accum == 2
 
 
 def test_jobs_without_zero_1_2_offload_or_with_a_check_that_never_skips_are_not_affected():

@@ -3,8 +3,8 @@
 """The several-backwards fix: its record.
 
 With ``gradient_accumulation_steps: 1``, a step of several ``backward()`` calls (each but the last outside the
-boundary, through ``engine.set_gradient_accumulation_boundary``, as Accelerate does) trains, with ZeRO-1/2 and
-``offload_optimizer`` up to DeepSpeed 0.18.x, on its last backward alone (:mod:`.methods`). The replacement keeps every
+boundary, through ``engine.set_gradient_accumulation_boundary``, as Accelerate does) trains, with ZeRO-2 and
+``offload_optimizer`` up to DeepSpeed 0.18.x, on its last backward alone (ZeRO-1 reduces once, at the boundary) (:mod:`.methods`). The replacement keeps every
 backward's gradient through the CPU accumulation buffer. On by default where DeepSpeed has the defect; ``not-needed``
 from 0.19.0; not part of DeepSpeed pull request 8963.
 """
@@ -27,9 +27,11 @@ def decide(change: Change, cls: type, version: str) -> guard.Decision:
 
 
 def affects(job) -> tuple:
-    """Whether an offloaded ZeRO-1/2 ``job`` (:class:`deepspeed_offload_patch.affected.Job`) can lose backwards: with
-    ``gradient_accumulation_steps`` 1, if its script calls ``backward()`` several times per step (the config cannot
-    tell)."""
+    """Whether an offloaded ZeRO-1/2 ``job`` (:class:`deepspeed_offload_patch.affected.Job`) can lose backwards: ZeRO-2
+    with ``gradient_accumulation_steps`` 1, if its script calls ``backward()`` several times per step (the config
+    cannot tell; ZeRO-1 reduces the summed gradient once, at the boundary)."""
+    if job.stage not in (2, "auto"):
+        return "no", "ZeRO-1 reduces the summed gradient once, at the boundary"
     if job.grad_accum not in (1, "auto"):
         return "no", f"gradient_accumulation_steps {job.grad_accum} keeps every backward"
     return "maybe", ("if a step takes several backward() calls (set_gradient_accumulation_boundary, as Accelerate "

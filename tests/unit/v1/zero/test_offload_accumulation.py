@@ -46,8 +46,8 @@ CELLS = (
 
 def _zero3_repeats() -> bool:
     """ZeRO-3 (which the package does not change) trains the same bits run after run on the CPU accelerator: measured
-    on 0.19.8 (5 runs of each cell). On 0.14.4, 0.15.1, 0.15.4, 0.16.9, 0.17.6 and 0.18.9 the same cells come out
-    right in one run and wrong in another (NaN norms, parameters of 1e20 and more, norms off from a later step), with
+    on 0.19.8 (5 runs of each cell; docs/oracle/0.19.8.json keeps 2). On 0.14.4, 0.15.1, 0.15.4, 0.16.9, 0.17.6 and
+    0.18.9 the same cells came out right in one run and wrong in another (kept: 0.17.6's 2 runs) (NaN norms, parameters of 1e20 and more, norms off from a later step), with
     and without ``overlap_comm`` and prefetching; 0.19.0 - 0.19.7 are not measured. The on-demand oracle
     (``nox -s oracle``, docs/releases.md) reports ZeRO-3 on every release."""
     import deepspeed
@@ -134,7 +134,7 @@ def test_each_fix_is_its_own_switch(switch):
     for change in (GRAD_ACCUMULATION, SEVERAL_BACKWARDS):
         state = ranks[0]["status"][change.name]
         if change in off:
-            assert state in (State.OFF, State.NOT_NEEDED), (change.name, state)
+            assert state == State.OFF, (change.name, state)
         else:
             assert state in (State.APPLIED, State.NOT_NEEDED), (change.name, state)
     for cell in cells:
