@@ -72,7 +72,7 @@ CI_RELEASES = ("0.16.9", "0.17.1", "0.19.6")
 # per-parameter form (ci/test.sh does it for the installed 0.19.8; CI's 0.16.9 step, "ci", leaves it out).
 RED_GREEN = ("0.16.9", )
 # DeepSpeed built from 0.19.8's own sdist with changes: (version.txt, what is done to stage_1_and_2.py, the state the
-# package must report). The default sessions run the first three; CI, CI_VARIANTS.
+# package must report). The default sessions run the first three; ``nox -s variants``, CI_VARIANTS.
 VARIANTS = {
     "0.19.9": ("0.19.9", None, State.APPLIED),
     "truth-test": ("0.19.9", "truth-test", State.UNSUPPORTED),
@@ -108,9 +108,9 @@ TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [f"release(deepspeed='{v}')"
                         for v in REPRESENTATIVE] + [f"variant(kind='{k}')" for k in list(VARIANTS)[:3]]
-# CI's variants: the edited trackers. The 0.19.9 build (0.19.8's code, a later version number) is the on-demand
-# sessions': in CI the suite's test_a_newer_release_with_a_known_form_is_patched_with_one_info_line_per_change and
-# test_the_upstream_watch_passes_on_the_newest_release prove what it does, on 0.19.8's code with another version.
+# The quick variants (``nox -s variants``, on demand): the edited trackers. In CI the suite's synthetic classes make
+# the same decisions (test_guard.py), and test_a_newer_release_with_a_known_form_is_patched_with_one_info_line_per_change
+# and test_the_upstream_watch_passes_on_the_newest_release prove what the 0.19.9 build would.
 CI_VARIANTS = ("truth-test", "fixed-differently")
 nox.options.envdir = os.path.join(ROOT, ".nox")
 
@@ -434,7 +434,8 @@ def variant(session: nox.Session, kind: str) -> None:
 
 @nox.session
 def variants(session: nox.Session) -> None:
-    """CI's variants (:data:`CI_VARIANTS`) in one virtualenv, each build installed over the last: torch and the tools
+    """The quick variants (:data:`CI_VARIANTS`; CI ran them until the suite's synthetic classes took their place) in
+    one virtualenv, each build installed over the last: torch and the tools
     are installed once: ``truth-test`` (which must read ``unsupported``) its own test, ``fixed-differently`` the sync
     tests on upstream's fixed code (``lite``), each with its state and the upstream watch."""
     _ci_variants(session)
