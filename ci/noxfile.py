@@ -204,6 +204,15 @@ def _junit_counts(path: str) -> dict:
     return counts
 
 
+def _red_green(session: nox.Session, *args, env=None) -> tuple:
+    """Run ``ci/check_red_green.py`` on ``args`` (the modules with the patch disabled: exactly the tests marked
+    ``fails_unpatched`` must fail); return whether it passed, read from its verdict line (``session.run`` returns
+    True for every allowed exit code), and the counts of its junit report."""
+    out = session.run("python", "ci/check_red_green.py", *args, env=env, silent=True, success_codes=[0, 1])
+    session.log("\n".join(out.splitlines()[-40:]))
+    return "red/green: OK" in out, _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+
+
 def _pytest(session: nox.Session, name: str, *args, env=None) -> dict:
     xml = os.path.join(REPORTS, f"{name}.xml")
     session.run("python",
@@ -323,7 +332,7 @@ def _suite(session: nox.Session, name: str, core: bool, ci: bool = False) -> dic
     result = {"suite": " ".join(suite), "tests": _pytest(session, name, *suite, env=CLEAN)}
     if name in RED_GREEN and not ci:
         # The ZeRO suite with the patch disabled fails exactly the tests marked fails_unpatched.
-        done = session.run("python", "ci/check_red_green.py", "tests/unit/v1/zero", env=CLEAN, success_codes=[0, 1])
+        done, _ = _red_green(session, "tests/unit/v1/zero", env=CLEAN)
         result["red_green"] = "pass" if done else "FAIL"
     return result
 
@@ -345,10 +354,10 @@ def _python(session: nox.Session) -> str:
     return out.split()[-1]
 
 
-def _finish(session: nox.Session, name: str, result: dict) -> None:
+def _finish(session: nox.Session, name: str, result: dict, folder: str = REPORTS) -> None:
     result.setdefault("python", _python(session))
     result["commit"] = _commit()
-    with open(os.path.join(REPORTS, f"{name}.json"), "w") as f:
+    with open(os.path.join(folder, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     session.log(json.dumps(result))
     if not _ok(result):
@@ -630,8 +639,10 @@ def pythons(session: nox.Session) -> None:
         _finish(session, f"python-{session.python}-{deepspeed}", result)
 
 
-# The release the newest torch runs with: the newest DeepSpeed the package knows.
+# The release the newest torch runs with: the newest DeepSpeed the package knows; and where its results go (not among
+# the matrix's, whose rows are one per release and Python).
 NEWEST_TORCH_RELEASE = "0.19.8"
+TORCH_REPORTS = os.path.join(ROOT, "reports", "torch")
 
 
 def _torch_requirements(session: nox.Session) -> list:
@@ -650,12 +661,11 @@ def newest_torch(session: nox.Session) -> None:
     installed with the machine's pip configuration bypassed (``PIP_CONFIG_FILE`` set to the null device, no
     constraint: a machine may cap torch below the newest), from ``$TORCH_INDEX_URL`` or PyPI (a CUDA build there,
     several GB); the rest keeps the pinned test environment, less torch and what torch requires. Writes
-    ``reports/matrix/torch-<version>.json``, a row of the matrix's table (its torch in the "built from" column).
-    On demand, not in CI: the newest torch changes without a commit here.
+    ``reports/torch/torch-<version>.json``. On demand, not in CI: the newest torch changes without a commit here.
 
         nox -f ci/noxfile.py -s newest_torch
     """
-    os.makedirs(REPORTS, exist_ok=True)
+    os.makedirs(TORCH_REPORTS, exist_ok=True)
     session.env["PIP_CONFIG_FILE"] = os.devnull
     session.env["PIP_CONSTRAINT"] = ""
     index = os.environ.get("TORCH_INDEX_URL")
@@ -683,7 +693,7 @@ def newest_torch(session: nox.Session) -> None:
     result["tests"] = {key: result["tests"][key] + same[key] for key in result["tests"]}
     result["suite"] += " + 2-rank ZeRO-2 bit identity"
     _nothing_built(session)
-    _finish(session, name, result)
+    _finish(session, name, result, folder=TORCH_REPORTS)
 
 
 @nox.session(python=False)
@@ -837,13 +847,10 @@ def _stacks(session: nox.Session,
     # Without the patch, exactly the tests marked fails_unpatched must fail (ci/check_red_green.py; the references
     # are left out, they are always unpatched). The module also holds a test that passes unpatched where a release
     # lacks the defect it checks (Accelerate over 4 micro-steps on 0.19.x), so "every test fails" is not the verdict.
-    done = session.run("python",
-                       "ci/check_red_green.py",
-                       *select,
-                       "tests/stacks",
-                       env=dict(env, DS_STACK_REPORT=measured + ".unpatched"),
-                       success_codes=[0, 1])
-    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    done, unpatched = _red_green(session,
+                                 *select,
+                                 "tests/stacks",
+                                 env=dict(env, DS_STACK_REPORT=measured + ".unpatched"))
     more = {"versions": found["versions"], "stacks": stacks, "red_green": "pass" if done else "FAIL"}
     _finish_layout(session, "stacks", deepspeed, tests, unpatched, more)
 
@@ -882,9 +889,9 @@ def multinode(session: nox.Session) -> None:
             os.remove(path)
     env = dict(CLEAN, DS_MULTINODE_REPORT=measured, DS_MULTINODE_EIGHT_REPORT=eight)
     tests = _pytest(session, f"multinode-{deepspeed}", "tests/multinode", env=env)
-    done = session.run("python", "ci/check_red_green.py", "tests/multinode", env=env, success_codes=[0, 1])
-    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out.
-    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    # unpatched: check_red_green.py's own junit report, the module's tests with the patch disabled, the equivalence
+    # ones left out.
+    done, unpatched = _red_green(session, "tests/multinode", env=env)
     more = {}
     if os.path.exists(measured):
         with open(measured) as f:
@@ -932,10 +939,9 @@ def _layout_module(session: nox.Session, kind: str, deepspeed: str = "0.19.8") -
         os.remove(measured)
     env = dict(CLEAN)  # TORCH_EXTENSIONS_DIR: the release's own, where _install built DeepSpeed's shm op
     tests = _pytest(session, f"{kind}-{deepspeed}", f"tests/{kind}", env=env)
-    done = session.run("python", "ci/check_red_green.py", f"tests/{kind}", env=env, success_codes=[0, 1])
-    # check_red_green.py's own junit report: the module's tests with the patch disabled, the equivalence ones left out
-    # (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
-    unpatched = _junit_counts(os.path.join(ROOT, "reports", "unpatched.xml"))
+    # unpatched: check_red_green.py's own junit report, the module's tests with the patch disabled, the equivalence
+    # ones left out (every one that ran is marked fails_unpatched, so the usual verdict applies; its own must agree).
+    done, unpatched = _red_green(session, f"tests/{kind}", env=env)
     more = {}
     if os.path.exists(measured):
         with open(measured) as f:
