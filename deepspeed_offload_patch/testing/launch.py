@@ -96,6 +96,16 @@ def init_deepspeed_comm(init_file: Optional[str] = None) -> None:
                                **kwargs)
 
 
+def _leave_together() -> None:
+    """Wait at a barrier until every rank is done: a rank that destroys its process group while a peer is still in
+    gloo's ``connectFullMesh`` (a slow start on a loaded machine) fails that peer with "Connection closed by peer",
+    although both did their work (measured: a rank whose call took no collective left before its peer had
+    connected)."""
+    import deepspeed.comm as dist
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _rank_main(rank, world_size, port, init_file, fn, args, kwargs, results) -> None:
     try:
         init_rank_environment(rank, world_size, port)
@@ -104,7 +114,9 @@ def _rank_main(rank, world_size, port, init_file, fn, args, kwargs, results) -> 
         init_deepspeed_comm(init_file)
         # Plain pickle: tensors sent through torch's queue reductions would live in shared memory that goes away
         # when this process exits.
-        results.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+        found = pickle.dumps(fn(*args, **kwargs))
+        _leave_together()
+        results.put((rank, True, found))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
