@@ -145,14 +145,20 @@ def _install(session: nox.Session, version: str, ops: bool = True) -> None:
     only the package's own ranks, which turn the op off), give the release an empty ``TORCH_EXTENSIONS_DIR`` that
     :func:`_nothing_built` checks afterwards."""
     _install_torch(session, *OLDER_TORCH.get(version, ("torch==2.13.0", )))
+    _install_deepspeed(session, version, ops)
+
+
+def _install_deepspeed(session: nox.Session, version: str, ops: bool, label: str = "") -> None:
+    """DeepSpeed ``version``, the test tools and the checkout over the torch the session installed, then the op build
+    or the empty ``TORCH_EXTENSIONS_DIR`` (:func:`_install`), named after ``label`` (default: the release)."""
     # sybil: the checkout's conftest.py imports it (the documents run as tests), so pytest needs it for any path.
     session.install(f"deepspeed=={version}", "pytest", "packaging", "sybil")
     session.install("--no-deps", "--force-reinstall", ROOT)
     _verify_pins(session)
     if ops:
-        _build_ops(session, version)
+        _build_ops(session, label or version)
     else:
-        _extensions_dir(session, version, empty=True)
+        _extensions_dir(session, label or version, empty=True)
 
 
 def _verify_pins(session: nox.Session) -> None:
@@ -678,11 +684,8 @@ def newest_torch(session: nox.Session) -> None:
     with open(path, "w") as f:  # CUDA builds pin nvidia-* packages of their own, named or not in torch's metadata
         f.write("\n".join(line for line in lines if not line.startswith(("nvidia-", "triton"))) + "\n")
     session.env["PIP_CONSTRAINT"] = path
-    session.install(f"deepspeed=={NEWEST_TORCH_RELEASE}", "pytest", "packaging", "sybil")
-    session.install("--no-deps", "--force-reinstall", ROOT)
-    _verify_pins(session)
     # The steps below start only the package's own ranks, which turn DeepSpeed's CPU shm op off.
-    _extensions_dir(session, f"torch-{torch}", empty=True)
+    _install_deepspeed(session, NEWEST_TORCH_RELEASE, ops=False, label=f"torch-{torch}")
     session.chdir(ROOT)
     name = f"torch-{torch.split('+')[0]}"
     result = {"release": NEWEST_TORCH_RELEASE, "expected": State.APPLIED, "torch": torch}

@@ -4,8 +4,8 @@
 
 With ``gradient_accumulation_steps: 1``, a step of several ``backward()`` calls (each but the last outside the
 boundary, through ``engine.set_gradient_accumulation_boundary``, as Accelerate does) trains, with ZeRO-2 and
-``offload_optimizer`` up to DeepSpeed 0.18.x, on its last backward alone (ZeRO-1 reduces once, at the boundary) (:mod:`.methods`). The replacement keeps every
-backward's gradient through the CPU accumulation buffer. On by default where DeepSpeed has the defect; ``not-needed``
+``offload_optimizer`` up to DeepSpeed 0.18.x, on its last backward alone (:mod:`.methods`; ZeRO-1 reduces once, at the
+boundary). The replacement keeps every backward's gradient through the CPU accumulation buffer. On by default where DeepSpeed has the defect; ``not-needed``
 from 0.19.0; not part of DeepSpeed pull request 8963.
 """
 
