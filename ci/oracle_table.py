@@ -73,6 +73,11 @@ def table(runs: dict) -> str:
     lines.append(f"(unpatched → patched; each entry over 4 cells: clipping on/off x fp32/bf16, each trained as many "
                  f"times as the column says (x2: twice) on {first['world_size']} ranks; torch "
                  f"{', '.join(sorted({run['torch'] for run in runs.values()}))})")
+    waited = [release for release, run in runs.items() if run.get("zero3_gather_wait")]
+    if waited:
+        lines.append("")
+        lines.append(f"(ZeRO-3 on {', '.join(waited)}: every parameter all-gather waited for, as 0.19.8 does itself: "
+                     f"`testing/zero3_gather.py`)")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ FLOORS = {
     # What DeepSpeed's methods are replaced with (each change's ``methods``), the data, and mechanisms that know
     # nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
-        "audit.report", "states", "changes.overflow_flag.methods", "changes.grad_norm.methods",
+        "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
         "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one.

@@ -41,23 +41,12 @@ CELLS = (
     Cell(stage=2, backwards=4),
     Cell(stage=1, grad_accum=4, clipping=True),
     Cell(stage=1, backwards=4),
+    # ZeRO-3, which the package does not change: right on every release once each parameter all-gather is waited for
+    # (testing/zero3_gather.py, which train_cells puts in place before 0.19.8: gloo's handles are independent and
+    # those releases wait for the last alone, so a cell could come out right in one run and wrong in the next).
+    Cell(stage=3, grad_accum=3),
+    Cell(stage=3, offload_param=True, backwards=4, clipping=True),
 )
-
-
-def _zero3_repeats() -> bool:
-    """ZeRO-3 (which the package does not change) trains the same bits run after run on the CPU accelerator: measured
-    on 0.19.8 (5 runs of each cell; docs/oracle/0.19.8.json keeps 2). On 0.14.4, 0.15.1, 0.15.4, 0.16.9, 0.17.6 and
-    0.18.9 the same cells came out right in one run and wrong in another (kept: 0.17.6's 2 runs) (NaN norms, parameters of 1e20 and more, norms off from a later step), with
-    and without ``overlap_comm`` and prefetching; 0.19.0 - 0.19.7 are not measured. The on-demand oracle
-    (``nox -s oracle``, docs/releases.md) reports ZeRO-3 on every release."""
-    import deepspeed
-    from packaging.version import Version
-
-    return Version(Version(deepspeed.__version__).base_version) >= Version("0.19.8")
-
-
-if _zero3_repeats():
-    CELLS += (Cell(stage=3, grad_accum=3), Cell(stage=3, offload_param=True, backwards=4, clipping=True))
 GRAD_ACCUMULATION, SEVERAL_BACKWARDS = by_name("grad-accumulation"), by_name("several-backwards")
 
 
@@ -143,3 +132,23 @@ def test_each_fix_is_its_own_switch(switch):
         # Several backwards through the CPU buffer also need the accumulation fix from 3 backwards on: 2 do not.
         problems = _right(cell, ranks)
         assert bool(problems) == bool(broken), (cell.name, [c.name for c in broken], problems[:3])
+
+
+def _force_gather_wait() -> None:
+    from deepspeed_offload_patch.testing import zero3_gather
+
+    zero3_gather.wait_every_gather(force=True)
+
+
+def test_zero3_cells_wait_for_every_gather():
+    """The condition the ZeRO-3 cells run under is in place: before 0.19.8 train_cells waits for every all-gather
+    handle ZeRO-3's coalesced gather starts (it fails where DeepSpeed moved the gather, and the wrapper would wait for
+    nothing), and a ZeRO-3 job trained with it is right."""
+    from deepspeed_offload_patch.testing import zero3_gather
+
+    cell = Cell(stage=3, grad_accum=2)
+    ranks = _train([cell], {}, setup=_force_gather_wait)
+    assert all(rank["zero3_gathers_waited"] > 0 for rank in ranks), [rank["zero3_gathers_waited"] for rank in ranks]
+    assert not _right(cell, ranks)
+    assert ranks[0]["zero3_gather_wait"] is True
+    assert _train([cell], {})[0]["zero3_gather_wait"] is zero3_gather.needed()
