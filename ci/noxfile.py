@@ -755,7 +755,26 @@ def states(session: nox.Session) -> None:
 #: One release per form of each method the oracle reaches: before and after 0.15.2's accumulation change, the
 #: releases between, 0.18.x, and the fixed 0.19.x.
 ORACLE_RELEASES = ("0.14.4", "0.15.1", "0.15.4", "0.16.9", "0.17.6", "0.18.9", "0.19.8")
-ORACLE = os.path.join(ROOT, "docs", "oracle")
+#: One release per form of the methods an inf meets (the norm's integer sentinel before 0.17.1, the 0.17.x flag
+#: all-reduce, 0.18.x, 0.19.7's masked norm, 0.19.8's fix).
+OUTCOME_RELEASES = ("0.14.4", "0.16.9", "0.17.6", "0.18.9", "0.19.7", "0.19.8")
+
+
+def _record(session: nox.Session, deepspeed: str, name: str) -> None:
+    """Install ``deepspeed``, run ``deepspeed_offload_patch.testing.<name>`` into ``docs/<name>/<release>.json`` (the
+    session's arguments passed on), then render docs/releases.md's table with ``ci/<name>_table.py``."""
+    _install(session, deepspeed)
+    session.chdir(ROOT)
+    folder = os.path.join(ROOT, "docs", name)
+    os.makedirs(folder, exist_ok=True)
+    session.run("python",
+                "-m",
+                f"deepspeed_offload_patch.testing.{name}",
+                "--json",
+                os.path.join(folder, f"{deepspeed}.json"),
+                *session.posargs,
+                env=CLEAN)
+    session.run(sys.executable, os.path.join(ROOT, "ci", f"{name}_table.py"))
 
 
 @nox.session
@@ -765,16 +784,17 @@ def oracle(session: nox.Session, deepspeed: str) -> None:
     1 - 4 and 4 backwards per step, clipping on and off, fp32 and bf16) on one release, unpatched and patched, each
     trained twice; writes ``docs/oracle/<release>.json``, from which ``ci/oracle_table.py`` renders docs/releases.md's
     table. Fails when a patched cell is not right."""
-    _install(session, deepspeed)
-    session.chdir(ROOT)
-    os.makedirs(ORACLE, exist_ok=True)
-    session.run("python",
-                "-m",
-                "deepspeed_offload_patch.testing.oracle",
-                "--json",
-                os.path.join(ORACLE, f"{deepspeed}.json"),
-                env=CLEAN)
-    session.run(sys.executable, os.path.join(ROOT, "ci", "oracle_table.py"))
+    _record(session, deepspeed, "oracle")
+
+
+@nox.session
+@nox.parametrize("deepspeed", list(OUTCOME_RELEASES))
+def outcomes(session: nox.Session, deepspeed: str) -> None:
+    """What one inf does to an offload job (``deepspeed_offload_patch/testing/outcomes.py``: every ZeRO stage, every
+    precision, bf16's check on, off and left out, accumulation 1 and 2) on one release, unpatched and patched, each
+    cell in fresh ranks; writes ``docs/outcomes/<release>.json``, from which ``ci/outcomes_table.py`` renders
+    docs/releases.md's table. ``-- --every`` adds a NaN and a fault on every rank (4 x the cells)."""
+    _record(session, deepspeed, "outcomes")
 
 
 @nox.session(python=False)

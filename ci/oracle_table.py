@@ -23,7 +23,6 @@ from packaging.version import Version
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "docs", "oracle")
 DOC = os.path.join(ROOT, "docs", "releases.md")
-START, END = "<!-- oracle:start -->", "<!-- oracle:end -->"
 
 
 def load(folder: str = RUNS) -> dict:
@@ -81,27 +80,43 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/releases.md holds another table")
-    args = parser.parse_args(argv)
-    with open(DOC) as f:
-        text = f.read()
-    if START not in text or END not in text:
-        print(f"{DOC} has no {START} ... {END} block")
+def write_block(doc: str, name: str, text: str, check: bool) -> int:
+    """Put ``text`` between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``doc``; with ``check``, write
+    nothing and return 1 when the document holds something else there. Returns 1 when the markers are missing."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    with open(doc) as f:
+        old = f.read()
+    if start not in old or end not in old:
+        print(f"{doc} has no {start} ... {end} block")
         return 1
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{START}\n{table(load())}\n{END}{tail}"
-    if args.check:
-        if new != text:
-            print(f"{DOC}: the oracle table differs from docs/oracle/*.json; run python ci/oracle_table.py")
+    head, rest = old.split(start, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{start}\n{text}\n{end}{tail}"
+    if check:
+        if new != old:
+            print(f"{doc}: the {name} table differs from the recorded runs; run the script without --check")
             return 1
         return 0
-    with open(DOC, "w") as f:
+    with open(doc, "w") as f:
         f.write(new)
-    print(f"wrote the oracle table of {len(load())} releases into {DOC}")
     return 0
+
+
+def cli(argv, name: str, render, folder: str, what: str) -> int:
+    """The command line of a table script: ``render(load(folder))`` into docs/releases.md's ``name`` block, or with
+    ``--check`` exit 1 when the block holds something else."""
+    parser = argparse.ArgumentParser(description=f"Render docs/releases.md's {what} from {folder}.")
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/releases.md holds another table")
+    args = parser.parse_args(argv)
+    runs = load(folder)
+    code = write_block(DOC, name, render(runs), args.check)
+    if not code and not args.check:
+        print(f"wrote the {what} of {len(runs)} releases into {DOC}")
+    return code
+
+
+def main(argv=None) -> int:
+    return cli(argv, "oracle", table, RUNS, "oracle table")
 
 
 if __name__ == "__main__":

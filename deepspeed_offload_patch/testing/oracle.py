@@ -112,7 +112,8 @@ def every_cell() -> List[Cell]:
     ]
 
 
-def _model() -> torch.nn.Module:
+def model() -> torch.nn.Module:
+    """The oracle's model, seeded: the same initial weights in every process."""
     from deepspeed_offload_patch.testing.models import ManyLinear
 
     torch.manual_seed(SEED)
@@ -125,7 +126,8 @@ def inputs(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(MICRO_BATCH, HIDDEN, generator=generator)
 
 
-def _full_parameters(engine, stage: int) -> Dict[str, torch.Tensor]:
+def full_parameters(engine, stage: int) -> Dict[str, torch.Tensor]:
+    """``engine``'s parameters, whole (gathered at ZeRO-3), in fp32 on the CPU, by name."""
     params = dict(engine.module.named_parameters())
     if stage == 3:
         import deepspeed
@@ -146,7 +148,7 @@ def train(cell: Cell) -> Dict[str, Any]:
     import deepspeed
     from deepspeed import comm as dist
 
-    engine, _, _, _ = deepspeed.initialize(model=_model(), config=cell.config())
+    engine, _, _, _ = deepspeed.initialize(model=model(), config=cell.config())
     rank = dist.get_rank()
     dtype = torch.bfloat16 if cell.precision == "bf16" else torch.float32
     norms = []
@@ -160,7 +162,7 @@ def train(cell: Cell) -> Dict[str, Any]:
                 with torch.no_grad():  # as testing.models.optimizer_step: 0.18.7 - 0.18.9 fail in grad mode
                     engine.step()
         norms.append(_norm(engine.get_global_grad_norm()))
-    return {"norms": norms, "params": _full_parameters(engine, cell.stage)}
+    return {"norms": norms, "params": full_parameters(engine, cell.stage)}
 
 
 def train_cells(cells: Sequence[Cell],
@@ -199,18 +201,18 @@ def reference(cell: Cell, world_size: int) -> Dict[str, Any]:
     """``cell``'s job in plain PyTorch for ``world_size`` data-parallel ranks: the norms and the parameters
     :func:`train` returns. fp32 master weights; in bf16 the forward and backward run on a bf16 copy of them, as
     DeepSpeed's bf16 does, and the parameters returned are that copy."""
-    master = _model()
+    master = model()
     optimizer = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     params = list(master.parameters())
     low = cell.precision == "bf16"
-    model = _model().to(torch.bfloat16) if low else master
-    working = list(model.parameters())
+    net = model().to(torch.bfloat16) if low else master
+    working = list(net.parameters())
     norms, clipped = [], 0
     for step in range(cell.steps):
         total = [torch.zeros_like(p) for p in params]
         for rank in range(world_size):
             for micro in range(cell.micro_batches):
-                loss = model(inputs(step, micro, rank).to(torch.bfloat16 if low else torch.float32))
+                loss = net(inputs(step, micro, rank).to(torch.bfloat16 if low else torch.float32))
                 if cell.grad_accum > 1:
                     loss = loss / cell.grad_accum
                 for acc, grad in zip(total, torch.autograd.grad(loss, working)):
@@ -230,7 +232,7 @@ def reference(cell: Cell, world_size: int) -> Dict[str, Any]:
         norms.append(norm)
     if cell.clipping and not clipped:
         raise AssertionError(f"{cell.name}: the reference never clipped; CLIP={CLIP} is too high to test clipping")
-    return {"norms": norms, "params": {name: p.detach().float().clone() for name, p in model.named_parameters()}}
+    return {"norms": norms, "params": {name: p.detach().float().clone() for name, p in net.named_parameters()}}
 
 
 def compare(cell: Cell,

@@ -231,6 +231,24 @@ def test_the_oracle_table_is_the_recorded_runs():
         assert run.get("zero3_gather_wait", False) == before_fix, (release, run.get("zero3_gather_wait"))
 
 
+def test_the_outcome_table_is_the_recorded_runs():
+    """docs/releases.md holds the one-inf table as ``ci/outcomes_table.py`` renders it from docs/outcomes/*.json, and
+    every recorded run holds the core cells, each outcome one the harness names."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    import oracle_table
+    import outcomes_table
+
+    from deepspeed_offload_patch.testing import outcomes
+    runs = oracle_table.load(outcomes_table.RUNS)
+    assert runs, "no outcome run is recorded under docs/outcomes"
+    with open(os.path.join(ROOT, "docs", "releases.md")) as f:
+        assert outcomes_table.table(runs) in _between(f.read(), "outcomes")
+    core = {cell.name for cell in outcomes.core_cells()}
+    for release, run in runs.items():
+        assert core <= {row["name"] for row in run["cells"]}, release
+        assert {row[side] for row in run["cells"] for side in ("unpatched", "patched")} <= set(outcomes.OUTCOMES)
+
+
 def test_the_accumulation_counts_are_the_measured_ones():
     """docs/performance.md's table is what the benchmark wrote at gradient accumulation 4 (docs/performance.json), on
     a release where both accumulation fixes apply; with the package's defaults the whole step's host syncs do not grow

@@ -32,7 +32,7 @@ FLOORS = {
     8: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
     9: ("testing.models", "audit.command"),
     10: ("testing.equivalence", "testing.oracle", "audit"),
-    11: ("verify", "demo", "bench_report"),
+    11: ("verify", "demo", "bench_report", "testing.outcomes"),
     12: ("bench", ),
     13: ("cli", ),
     14: ("__main__", "_bootstrap.sitecustomize"),
