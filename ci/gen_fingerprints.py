@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Generate ``deepspeed_offload_patch/fingerprints.py`` from the DeepSpeed releases' own sources.
 
-For each release it takes ``deepspeed/runtime/zero/stage_1_and_2.py`` out of the release's sdist (fetched into the
-``--sdists`` cache by ``ci/sdists.py`` unless already there), fingerprints the methods the patch sets replace (and their witnesses) with the
+For each release it takes the file of each class the changes replace methods of (``deepspeed/runtime/zero/
+stage_1_and_2.py``, ``stage3.py``) out of the release's sdist (fetched into the ``--sdists`` cache by ``ci/sdists.py``
+unless already there), fingerprints the methods the changes replace (and their witnesses) with the
 same function the guard uses at run time, and writes the table (formatted by yapf), with the digests of the package's
 own replacements (``OWN``, by which the guard tells a changed interpreter from a changed DeepSpeed). ``--check``
 writes nothing and exits 1 when the recorded tables differ from what the sources give. The digests do not depend on
@@ -31,12 +32,13 @@ os.environ[runpy.run_path(os.path.join(ROOT, "deepspeed_offload_patch", "setting
 
 from packaging.specifiers import SpecifierSet  # noqa: E402
 
-from deepspeed_offload_patch.changes import CHANGES, all_methods  # noqa: E402
+from deepspeed_offload_patch.changes import CHANGES, UPSTREAM, all_methods  # noqa: E402
 from deepspeed_offload_patch.guard import fingerprint_source, own_digests  # noqa: E402
 from deepspeed_offload_patch.releases import PATCHED_RELEASES  # noqa: E402
 from sdists import DEFAULT_CACHE, prefetch, sdist_path  # noqa: E402
 
-TARGET = "deepspeed/runtime/zero/stage_1_and_2.py"
+#: The upstream change's file (ZeRO-1/2's).
+TARGET = UPSTREAM.target.path
 OUTPUT = os.path.join(ROOT, "deepspeed_offload_patch", "fingerprints.py")
 HEADER = '''# Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
@@ -50,9 +52,10 @@ by hand. The digests are :func:`deepspeed_offload_patch.source_digest.digest_sou
 
 
 @functools.lru_cache(maxsize=None)
-def read_target(sdist: str, version: str) -> str:
-    """The text of ``stage_1_and_2.py`` in one sdist (read once per process: the checks read each release often)."""
-    wanted = f"deepspeed-{version}/{TARGET}"
+def read_target(sdist: str, version: str, path: str = TARGET) -> str:
+    """The text of DeepSpeed's file ``path`` (ZeRO-1/2's by default) in one sdist (read once per process: the checks
+    read each release often)."""
+    wanted = f"deepspeed-{version}/{path}"
     with tarfile.open(sdist) as tar:
         # Stop at the member instead of indexing the whole archive (getmember), which is most of the time here.
         for member in tar:
@@ -66,7 +69,7 @@ def _class_node(source: str, class_name: str) -> ast.ClassDef:
     return next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
 
 
-def method_sources(source: str, names=all_methods(), class_name: str = "DeepSpeedZeroOptimizer") -> dict:
+def method_sources(source: str, names, class_name: str = UPSTREAM.target.name) -> dict:
     """The source text of each method of ``names`` in ``class_name``, as ``inspect.getsource`` would give it."""
     lines = source.splitlines(keepends=True)
     cls = _class_node(source, class_name)
@@ -83,14 +86,16 @@ def table(sdists: str, versions) -> dict:
     result = {name: {} for name in all_methods()}
     prefetch(sdists, versions)
     for version in versions:
-        sources = method_sources(read_target(sdist_path(sdists, version), version))
-        names = [
-            name for change in CHANGES for form in change.forms if SpecifierSet(form.releases).contains(version)
-            for name in form.methods + form.witnesses
-        ]
-        for name in dict.fromkeys(names):
-            digest = fingerprint_source(sources[name])
-            result[name].setdefault(digest, []).append(version)
+        keys = {}
+        for change in CHANGES:
+            for form in change.forms:
+                if SpecifierSet(form.releases).contains(version):
+                    target = change.target
+                    sources = method_sources(read_target(sdist_path(sdists, version), version, target.path),
+                                             form.methods + form.witnesses, target.name)
+                    keys.update({change.key(name): sources[name] for name in form.methods + form.witnesses})
+        for key, text in keys.items():
+            result[key].setdefault(fingerprint_source(text), []).append(version)
     return {name: {digest: tuple(vs) for digest, vs in digests.items()} for name, digests in result.items()}
 
 

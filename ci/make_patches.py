@@ -1,6 +1,7 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Write ``patches/``: the change as unified diffs of ``deepspeed/runtime/zero/stage_1_and_2.py``, one per form.
+"""Write ``patches/``: each change as unified diffs of its class's file (``deepspeed/runtime/zero/stage_1_and_2.py``,
+``stage3.py``), one per form.
 
 For each change of ``deepspeed_offload_patch.changes`` (in ``patches/<its name>/``) and each supported release of its
 forms, it replaces the change's methods in the release's own file (from its sdist) with this package's replacements
@@ -46,7 +47,7 @@ def replacements_for(source: str, change, version: str) -> dict:
     """The replacement for each of ``change``'s methods in ``source``'s ``DeepSpeedZeroOptimizer`` (release
     ``version``), by form."""
     chosen = {}
-    for name, text in method_sources(source, change.form_of(version).methods).items():
+    for name, text in method_sources(source, change.form_of(version).methods, change.target.name).items():
         func = guard.replacement_for(change, name, guard.fingerprint_source(text))
         if func is None:
             raise SystemExit(f"{name}: a form with no replacement; regenerate the fingerprints first")
@@ -61,36 +62,40 @@ def method_text(name: str, func) -> str:
     return textwrap.indent("".join(lines), "    ")
 
 
-def replace_methods(source: str, texts: dict) -> str:
-    """``source`` (a ``stage_1_and_2.py``) with the methods of ``DeepSpeedZeroOptimizer`` named in ``texts``
-    replaced by their texts (indented as methods)."""
+def replace_methods(source: str, texts: dict, class_name: str = UPSTREAM.target.name) -> str:
+    """``source`` (a ``stage_1_and_2.py``, or the file of ``class_name``) with the methods of ``class_name`` named in
+    ``texts`` replaced by their texts (indented as methods); DeepSpeed's decorators of a method stay (ZeRO-3's NVTX
+    ranges: the package puts them on its replacement too)."""
     lines = source.splitlines(keepends=True)
-    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
-    spans = [(min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno, n.name) for n in cls.body
-             if isinstance(n, ast.FunctionDef) and n.name in texts]
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    spans = [(n.lineno, n.end_lineno, n.name) for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in texts]
     for first, last, name in sorted(spans, reverse=True):
         lines[first - 1:last] = [texts[name]]
     return "".join(lines)
 
 
 def patched(source: str, change, version: str) -> str:
-    """``source`` (release ``version``'s ``stage_1_and_2.py``) with ``change``'s methods replaced."""
+    """``source`` (release ``version``'s file of ``change``'s class) with ``change``'s methods replaced."""
     chosen = replacements_for(source, change, version)
-    return replace_methods(source, {name: method_text(name, func) for name, func in chosen.items()})
+    return replace_methods(source, {
+        name: method_text(name, func)
+        for name, func in chosen.items()
+    }, change.target.name)
 
 
-def unified_diff(before: str, after: str) -> str:
+def unified_diff(before: str, after: str, target: str = TARGET) -> str:
     return "".join(
         difflib.unified_diff(before.splitlines(keepends=True),
                              after.splitlines(keepends=True),
-                             fromfile=f"a/{TARGET}",
-                             tofile=f"b/{TARGET}"))
+                             fromfile=f"a/{target}",
+                             tofile=f"b/{target}"))
 
 
-def git_apply(diff: str, source: str):
-    """``source`` after ``git apply`` of ``diff`` in a scratch tree, or None when it does not apply cleanly."""
+def git_apply(diff: str, source: str, target: str = TARGET):
+    """``source`` (DeepSpeed's file ``target``) after ``git apply`` of ``diff`` in a scratch tree, or None when it
+    does not apply cleanly."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, TARGET)
+        path = os.path.join(tmp, target)
         os.makedirs(os.path.dirname(path))
         with open(path, "w") as f:
             f.write(source)
@@ -109,7 +114,7 @@ def methods_equal_replacements(original: str, patched_source: str, change, versi
     found = {
         name: guard.fingerprint_source(text)
         for name, text in method_sources(patched_source,
-                                         change.form_of(version).methods).items()
+                                         change.form_of(version).methods, change.target.name).items()
     }
     return found == chosen
 
@@ -132,17 +137,45 @@ def _bound(node: ast.AST) -> set:
     return names
 
 
-def unresolved_globals(patched_source: str, methods) -> dict:
-    """For each of ``methods`` of ``DeepSpeedZeroOptimizer`` in ``patched_source``: the names it reads that neither
-    it binds nor the module defines at its top level nor Python builtins (names a run of that file would miss)."""
+def top_level_names(source: str) -> set:
+    """The names a module's top level binds (defined, assigned or imported), star imports aside."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        else:
+            names |= _bound(node)
+    return names - {"*"}
+
+
+def star_imported(read, source: str, seen=None) -> set:
+    """The public names ``source``'s ``from deepspeed... import *`` lines bring in, following theirs in turn;
+    ``read(module_path)`` gives the text of a file of the same release (``deepspeed/runtime/zero/stage3.py``'s
+    ``torch`` and ``instrument_w_nvtx`` come from ``partition_parameters``)."""
+    seen = set() if seen is None else seen
+    names = set()
+    for node in ast.parse(source).body:
+        if (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("deepspeed")
+                and any(alias.name == "*" for alias in node.names) and node.module not in seen):
+            seen.add(node.module)
+            text = read(node.module.replace(".", "/") + ".py")
+            names |= {name for name in top_level_names(text) if not name.startswith("_")}
+            names |= star_imported(read, text, seen)
+    return names
+
+
+def unresolved_globals(patched_source: str, methods, class_name: str = UPSTREAM.target.name, star=()) -> dict:
+    """For each of ``methods`` of ``class_name`` in ``patched_source``: the names it reads that neither it binds nor
+    the module defines at its top level (or brings in with a star import: ``star``) nor Python builtins (names a run
+    of that file would miss)."""
     tree = ast.parse(patched_source)
-    module = set(dir(builtins))
+    module = set(dir(builtins)) | set(star)
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             module.add(node.name)
         else:
             module |= _bound(node)
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedZeroOptimizer")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     found = {}
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name in methods:
@@ -157,19 +190,20 @@ def unresolved_globals(patched_source: str, methods) -> dict:
 def build(sdists: str, change):
     """The diffs (file name -> text) and the index (release -> file name) of ``change``."""
     diffs, index, current = {}, {}, None
+    target, stem = change.target.path, change.target.stem
     for version in releases_of(change):
-        source = read_target(sdist_path(sdists, version), version)
+        source = read_target(sdist_path(sdists, version), version, target)
         after = patched(source, change, version)
-        if current is not None and git_apply(diffs[current], source) == after:
+        if current is not None and git_apply(diffs[current], source, target) == after:
             index[version] = current
             continue
         current = version
-        diffs[current] = unified_diff(source, after)
+        diffs[current] = unified_diff(source, after, target)
         index[version] = current
     names = {}
     for first in diffs:
         last = [v for v, d in index.items() if d == first][-1]
-        names[first] = f"stage_1_and_2-{first}-{last}.diff" if last != first else f"stage_1_and_2-{first}.diff"
+        names[first] = f"{stem}-{first}-{last}.diff" if last != first else f"{stem}-{first}.diff"
     return {names[f]: text for f, text in diffs.items()}, {v: names[f] for v, f in index.items()}
 
 
@@ -212,15 +246,17 @@ def readme(indexes: dict) -> str:
         switch = (
             "" if change.upstream else
             f"; on by default, `{change.switch}=0` leaves it out, and it applies with or without the other diffs")
-        sections.append(f"### `{change.name}/`: {change.title}\n\n{_forms_text(change)}{switch}: {change.about}\n\n"
-                        f"{table(indexes[change.name], change.name + '/')}")
+        where = "" if change.target == UPSTREAM.target else f" (a diff of `{change.target.path}`)"
+        sections.append(
+            f"### `{change.name}/`: {change.title}{where}\n\n{_forms_text(change)}{switch}: {change.about}\n\n"
+            f"{table(indexes[change.name], change.name + '/')}")
     body = "\n\n".join(sections)
     flags = ", ".join(f"`--{change.name}` {change.title}'s" for change in CHANGES if not change.upstream)
     example = f"{UPSTREAM.name}/" + indexes[UPSTREAM.name][PATCHED_RELEASES[-1]]
     return f"""# The change as unified diffs
 
 For a DeepSpeed fork or checkout: the same changes the package makes at import time, as diffs of
-`{TARGET}`, one folder per change. Generated by `ci/make_patches.py` from each release's own file; CI checks that each
+`{TARGET}` (and of another file where a change says so), one folder per change. Generated by `ci/make_patches.py` from each release's own file; CI checks that each
 diff applies cleanly to every release listed for it and that the patched methods equal the package's replacements
 (AST).
 
@@ -254,14 +290,15 @@ def main() -> int:
         files.update({os.path.join(where, name): text for name, text in diffs.items()})
         files[os.path.join(where, "index.json")] = json.dumps(indexes[change.name], indent=2) + "\n"
         for version, name in index.items():
-            original = read_target(sdist_path(args.sdists, version), version)
-            after = git_apply(diffs[name], original)
+            original = read_target(sdist_path(args.sdists, version), version, change.target.path)
+            after = git_apply(diffs[name], original, change.target.path)
             if after is None:
                 problems.append(f"{name} does not apply to {version}")
             elif not methods_equal_replacements(original, after, change, version):
                 problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
             else:
-                unresolved = unresolved_globals(after, change.form_of(version).methods)
+                star = star_imported(lambda path: read_target(sdist_path(args.sdists, version), version, path), after)
+                unresolved = unresolved_globals(after, change.form_of(version).methods, change.target.name, star)
                 if unresolved:
                     problems.append(f"{name} on {version}: the patched methods use names the release's module does "
                                     f"not define: {unresolved}")

@@ -36,12 +36,15 @@ from deepspeed_offload_patch.fingerprints import UNFIXED  # noqa: E402
 KNOWN = ("patchable", "fixed", "ours")
 
 
-def known_sources(sdists: str, name: str) -> dict:
-    """``{release: source}`` of method ``name``: the last release of each known unfixed form."""
+def known_sources(sdists: str, change, name: str) -> dict:
+    """``{release: source}`` of ``change``'s method ``name``: the last release of each known unfixed form."""
     found = {}
-    for releases in UNFIXED.get(name, {}).values():
+    target = change.target
+    for releases in UNFIXED.get(change.key(name), {}).values():
         release = releases[-1]
-        source = method_sources(read_target(sdist_path(sdists, release), release), names=(name, )).get(name)
+        source = method_sources(read_target(sdist_path(sdists, release), release, target.path),
+                                names=(name, ),
+                                class_name=target.name).get(name)
         if source:
             found[release] = textwrap.dedent(source)
     return found
@@ -52,23 +55,24 @@ def main() -> int:
     parser.add_argument("--sdists", default=DEFAULT_CACHE, help="the sdist cache (default: %(default)s)")
     args = parser.parse_args()
     import deepspeed
-    cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
     print(f"DeepSpeed {deepspeed.__version__}")
     new = 0
     for change, name in [(change, name) for change in CHANGES for name in change.method_names]:
+        cls = getattr(importlib.import_module(change.target.module), change.target.name)
+        key = change.key(name)
         if name not in cls.__dict__:
-            print(f"{name}: not defined here")
+            print(f"{key}: not defined here")
             continue
         finding, _ = guard.classify_method(cls, name, change)
         digest = guard.fingerprint(cls.__dict__[name])
-        known = UNFIXED.get(name, {}).get(digest)
-        print(f"{name}: {finding}, fingerprint {digest}" +
+        known = UNFIXED.get(key, {}).get(digest)
+        print(f"{key}: {finding}, fingerprint {digest}" +
               (f" (the form of {known[0]} - {known[-1]})" if known else ""))
         if finding in KNOWN:
             continue
         new += 1
-        source = textwrap.dedent(inspect.getsource(cls.__dict__[name]))
-        candidates = known_sources(args.sdists, name)
+        source = textwrap.dedent(inspect.getsource(guard.unwrapped(cls.__dict__[name])))
+        candidates = known_sources(args.sdists, change, name)
         if not candidates:
             print(source)
             continue

@@ -16,7 +16,7 @@ may have one, with ``"auto"``), 2 when the config cannot be read.
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from deepspeed_offload_patch.changes import CHANGES
 from deepspeed_offload_patch.states import State
@@ -104,27 +104,30 @@ def read_job(config: Dict[str, Any]) -> Job:
                grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1)
 
 
-def _offloaded(job: Job) -> str:
+def _offloaded(job: Job, stages: Tuple[int, ...]) -> str:
+    """Whether ``job`` offloads the optimizer at one of ``stages``."""
     if job.offload is None:
         return NO
     if job.stage == AUTO:
         return MAYBE
-    return YES if job.stage in (1, 2) else NO
+    return YES if job.stage in stages else NO
 
 
 def findings(job: Job, status) -> List[Finding]:
     """Each change's defect for ``job`` on the DeepSpeed that ``status`` (the package's :class:`PatchStatus`)
     describes, in the order of :data:`deepspeed_offload_patch.changes.CHANGES`.
 
-    Only an offloaded ZeRO-1/2 job can have them; a change's ``affects(job)`` narrows that further (the precision, the
-    accumulation dtype). A DeepSpeed that does not need the change (``not-needed``, ``upstream-fixed``) has no such
-    defect; otherwise the change fixes it where it is ``applied``.
+    Only a job that offloads the optimizer at a stage whose class the change replaces methods of (ZeRO-1/2, or
+    ZeRO-3) can have its defect; a change's ``affects(job)`` narrows that further (the precision, the accumulation
+    dtype). A DeepSpeed that does not need the change (``not-needed``, ``upstream-fixed``) has no such defect;
+    otherwise the change fixes it where it is ``applied``.
     """
     version = status.deepspeed_version or "(not installed)"
-    offloaded = _offloaded(job)
-    where = "ZeRO-1/2 with offload_optimizer" if offloaded != NO else "not ZeRO-1/2 with offload_optimizer"
     found = []
     for change in CHANGES:
+        offloaded = _offloaded(job, change.target.stages)
+        stages = change.target.stage_text
+        where = f"{stages} with offload_optimizer" if offloaded != NO else f"not {stages} with offload_optimizer"
         state = status.of(change)[0]
         defect, what = change.defect[0], f"{change.title}: {state}"
         affected, why = change.affects(job) if change.affects is not None else (YES, "")

@@ -139,19 +139,22 @@ def _status_command(args) -> int:
                        sort_keys=True))
         return status_exit_code(status)
 
-    def methods(names) -> None:
-        for name, finding in status.methods.items():
-            if name in names:
-                print(f"  DeepSpeedZeroOptimizer.{name}: {finding}")
+    def methods(change) -> None:
+        # status.methods holds each method by its key: the bare name on ZeRO-1/2's class, Class.name on another.
+        keys = {change.key(name): name for name in change.method_names}
+        for key, finding in status.methods.items():
+            if key in keys and (change.upstream or not any(key in other_keys for other_keys in upstream_keys)):
+                print(f"  {change.target.name}.{keys[key]}: {finding}")
 
+    upstream_keys = [{UPSTREAM.key(name) for name in UPSTREAM.method_names}]
     print(f"deepspeed_offload_patch {dop.__version__} on Python {platform.python_version()}")
     print(f"DeepSpeed {status.deepspeed_version or '(not installed)'}: {status.state} ({UPSTREAM.label})")
     print(f"  {status.reason}")
-    methods([name for name in status.methods if not any(name in change.method_names for change in OTHERS)])
+    methods(UPSTREAM)
     for change in OTHERS:
         state, reason = status.of(change)
         print(f"{change.label}: {state}{': ' + reason if reason else ''}")
-        methods(change.method_names)
+        methods(change)
     return status_exit_code(status)
 
 

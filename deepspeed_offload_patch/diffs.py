@@ -66,9 +66,12 @@ def release_with_the_same_methods(part: str = UPSTREAM.name) -> Optional[str]:
 
     from deepspeed_offload_patch import guard, patcher
 
-    cls = getattr(importlib.import_module(patcher.TARGET_MODULE), patcher.TARGET_CLASS)
-    form = by_name(part).form_for(cls)
+    change = by_name(part)
+    cls = getattr(importlib.import_module(change.target.module), change.target.name)
+    form = change.form_for(cls)
     names = form.methods + form.witnesses
     originals = patcher.originals()
-    common = guard.releases_shipping({name: originals.get(name, cls.__dict__.get(name)) for name in names})
+    common = guard.releases_shipping(
+        {change.key(name): originals.get(change.key(name), cls.__dict__.get(name))
+         for name in names})
     return max(common, key=Version) if common else None

@@ -15,7 +15,7 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -51,10 +51,22 @@ def fingerprint_source(source: str) -> str:
     return digest_source(source)
 
 
+def unwrapped(func: Any) -> Any:
+    """The method under DeepSpeed's ``instrument_w_nvtx`` decorator (its ``wrapped_fn`` closes over the decorated
+    function and copies none of its attributes), or ``func`` itself when it is not so wrapped."""
+    if getattr(func, "__qualname__", "").endswith("instrument_w_nvtx.<locals>.wrapped_fn"):
+        cells = dict(zip(func.__code__.co_freevars, func.__closure__ or ()))
+        inner = cells.get("func")
+        if inner is not None and callable(inner.cell_contents):
+            return inner.cell_contents
+    return func
+
+
 def fingerprint(func: Callable) -> Optional[str]:
-    """:func:`fingerprint_source` of ``func``, or None when its source cannot be read (no ``.py`` file)."""
+    """:func:`fingerprint_source` of ``func`` (of the method under DeepSpeed's NVTX wrapper, :func:`unwrapped`), or
+    None when its source cannot be read (no ``.py`` file)."""
     try:
-        return fingerprint_source(inspect.getsource(func))
+        return fingerprint_source(inspect.getsource(unwrapped(func)))
     except (OSError, TypeError, SyntaxError, IndexError, ValueError):
         return None
 
@@ -92,7 +104,7 @@ def interpreter_problem(change: Change) -> Optional[str]:
 def replacement_for(change: Change, name: str, digest: Optional[str]) -> Optional[Callable]:
     """``change``'s replacement for the unfixed form ``digest`` of method ``name``: the one whose forms' releases hold
     every release that ships that form. None when the form is not a known unfixed one."""
-    releases = UNFIXED.get(name, {}).get(digest)
+    releases = UNFIXED.get(change.key(name), {}).get(digest)
     if not releases:
         return None
     ranges: Dict[Callable, list] = {}
@@ -105,7 +117,8 @@ def replacement_for(change: Change, name: str, digest: Optional[str]) -> Optiona
 
 
 def releases_shipping(functions: Dict[str, Optional[Callable]]) -> Tuple[str, ...]:
-    """The releases that ship every one of these forms: for each ``method name: function``, the releases whose
+    """The releases that ship every one of these forms: for each ``method key: function`` (the key is
+    :meth:`~deepspeed_offload_patch.changes.record.Target.key`'s: the bare name for ZeRO-1/2), the releases whose
     method has that function's form (its fingerprint in :data:`UNFIXED`), intersected, in release order. Empty when
     no release ships them all, or a function is None, has no readable source or is a form no release shipped."""
     shipped = [
@@ -148,7 +161,7 @@ def classify_method(cls: type, name: str, change: Change) -> Tuple[str, Optional
     replacement or when it is the tracker of the class's form and ``change.probe`` finds that it behaves as fixed (so
     an upstream fix in its own words counts), and MISMATCH otherwise.
     """
-    func = cls.__dict__.get(name)
+    func = unwrapped(cls.__dict__.get(name))
     if func is None:
         return MISSING, None
     ours = [replacement for _, replacement in change.replacements(name)]
@@ -229,9 +242,9 @@ def decide_by_methods(change: Change, cls: type, version: str) -> Decision:
             State.UNSUPPORTED, f"DeepSpeed {version}: {cls.__name__} is not the code this patch was built for "
             f"({', '.join(odd)})", methods)
     # Every method is a known form here; should no one release ship them all, the tracker's releases are said.
-    common = (releases_shipping({name: cls.__dict__[name]
+    common = (releases_shipping({change.key(name): cls.__dict__[name]
                                  for name in form.methods})
-              or releases_shipping({form.tracker: cls.__dict__[form.tracker]}))
+              or releases_shipping({change.key(form.tracker): cls.__dict__[form.tracker]}))
     if newer_than_tested(version):
         reason = (f"DeepSpeed {version} is newer than the releases tested ({FIRST} to {LAST}); its methods match "
                   f"the unfixed form of DeepSpeed {releases_text(common)}")

@@ -1,47 +1,43 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Applies and reverts the patch: the registry of originals, the lazy hook, the state that ``status()`` reports."""
+"""Applies and reverts the patch: the registry of originals, the lazy hooks, the state that ``status()`` reports.
+
+Each change names the class it replaces methods of (:class:`~deepspeed_offload_patch.changes.record.Target`); the
+patcher hooks each target's module and applies, as that module is imported, the changes that target it. The upstream
+change's class (ZeRO-1/2's) gives ``status()``'s ``state``; a change on another class (ZeRO-3's) keeps its own state in
+``status().changes`` and stays ``pending`` until its module is imported.
+"""
 
 import gc
 import importlib
 import sys
 import threading
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from deepspeed_offload_patch import import_hook, settings
-from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM
-from deepspeed_offload_patch.changes.record import Change
+from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM, by_name, targets
+from deepspeed_offload_patch.changes.record import Change, Target
 from deepspeed_offload_patch.log import info_once, warn_once
+# AppliedPatch: re-exported (patcher.AppliedPatch).
+from deepspeed_offload_patch.replacements import (
+    AppliedPatch,
+    as_decorated,
+    subclasses,
+    warn_if_overriding,  # noqa: F401
+    watch_subclasses)
 # PatchStatus and deepspeed_version: re-exported (deepspeed_offload_patch.PatchStatus; patcher.deepspeed_version).
 from deepspeed_offload_patch.patch_status import PatchStatus, deepspeed_installed, deepspeed_version  # noqa: F401
 # GOOD_STATES: re-exported by the package (deepspeed_offload_patch.GOOD_STATES).
 from deepspeed_offload_patch.states import GOOD_STATES, State  # noqa: F401
 
-TARGET_MODULE = "deepspeed.runtime.zero.stage_1_and_2"
-TARGET_CLASS = "DeepSpeedZeroOptimizer"
+#: The upstream change's class, whose import decides the package's own state.
+TARGET_MODULE = UPSTREAM.target.module
+TARGET_CLASS = UPSTREAM.target.name
 
 
 class PatchError(RuntimeError):
     """The patch cannot apply and strict mode (``DS_OFFLOAD_PATCH_STRICT=1``) asks for an error."""
-
-
-@dataclass
-class AppliedPatch:
-    """What one change installed on DeepSpeed's class in this process: the class, DeepSpeed's functions and their
-    replacements (by method name), and the ``__init_subclass__`` hook it added to the class (None when the class had
-    one already: DeepSpeed's own, or an earlier change's)."""
-
-    change: str  # the change's name
-    cls: type
-    originals: Dict[str, Callable]
-    replacements: Dict[str, Callable]
-    subclass_watch: Optional[object] = None
-
-    def ours(self, name: str) -> bool:
-        """Whether the class's attribute ``name`` is still this change's replacement."""
-        return name in self.replacements and self.cls.__dict__.get(name) is self.replacements[name]
 
 
 _lock = threading.RLock()
@@ -81,39 +77,52 @@ def _apply_change(cls: type, change: Change):
     """Let the change decide on its methods of ``cls`` and install its replacements if it says so."""
     decision = change.decide(change, cls, deepspeed_version() or "unknown")
     if decision.replacements:
-        record = AppliedPatch(change.name, cls, {name: cls.__dict__[name]
-                                                 for name in decision.replacements}, dict(decision.replacements))
+        originals = {name: cls.__dict__[name] for name in decision.replacements}
+        record = AppliedPatch(change.name, cls, originals, {
+            name: as_decorated(originals[name], replacement)
+            for name, replacement in decision.replacements.items()
+        })
         _applied[change.name] = record
-        for name, replacement in decision.replacements.items():
+        for name, replacement in record.replacements.items():
             setattr(cls, name, replacement)
-        for sub in _subclasses(cls):
-            _warn_if_overriding(sub)
-        record.subclass_watch = _watch_subclasses(cls)
+        for sub in subclasses(cls):
+            warn_if_overriding(sub, _applied.values())
+        record.subclass_watch = watch_subclasses(cls, _applied.values)
     return decision
 
 
+def _target_of(module_name: str) -> Target:
+    return next(target for target in targets() if target.module == module_name)
+
+
 def _patch_module(module: ModuleType, strict: bool, on: Mapping[str, bool]) -> PatchStatus:
-    """Apply the upstream change, and each other change that ``on`` (by name) switches on, to the loaded ZeRO
-    module."""
+    """Apply to the loaded module the changes that target its class: the upstream change (when it is ZeRO-1/2's
+    module) and each other change that ``on`` (by name) switches on."""
+    target = _target_of(module.__name__)
+    ours = [change for change in CHANGES if change.target == target]
     with _lock:
-        cls = getattr(module, TARGET_CLASS, None)
-        if cls is None:
-            missing = (State.UNSUPPORTED, f"{TARGET_MODULE} has no {TARGET_CLASS}")
-            status = _set(*missing, others={c.name: missing if on[c.name] else _left_out(c) for c in OTHERS})
-        else:
-            found, methods = {}, {}
-            for change in CHANGES:
-                if change.upstream or on[change.name]:
-                    decision = _apply_change(cls, change)
-                    methods.update(decision.methods)
-                    found[change.name] = (decision.state, decision.reason)
-                else:
-                    found[change.name] = _left_out(change)
+        cls = getattr(module, target.name, None)
+        found, methods = {}, {}
+        for change in ours:
+            if not (change.upstream or on[change.name]):
+                found[change.name] = _left_out(change)
+            elif cls is None:
+                found[change.name] = (State.UNSUPPORTED, f"{target.module} has no {target.name}")
+            else:
+                decision = _apply_change(cls, change)
+                methods.update({change.key(name): result for name, result in decision.methods.items()})
+                found[change.name] = (decision.state, decision.reason)
+        # The findings of the other classes' methods stay as their own modules' hooks left them.
+        mine = {change.key(name) for change in ours for name in change.method_names}
+        methods = {**{key: finding for key, finding in _status.methods.items() if key not in mine}, **methods}
+        if UPSTREAM.name in found:
             status = _set(*found.pop(UPSTREAM.name), methods, others=found)
-    _log_or_raise(UPSTREAM.title, status.state, status.reason, strict)
+            _log_or_raise(UPSTREAM.title, status.state, status.reason, strict)
+        else:
+            status = _set(_status.state, _status.reason, methods, others=found)
     # One message per cause: a DeepSpeed that the changes refuse for the same reason (its version) is said once.
-    for change in OTHERS:
-        if on[change.name] and status.of(change) != (status.state, status.reason):
+    for change in ours:
+        if not change.upstream and on[change.name] and status.of(change) != (status.state, status.reason):
             _log_or_raise(change.title, *status.of(change), strict)
     return status
 
@@ -129,21 +138,25 @@ def _switched_on() -> Dict[str, bool]:
     return {change.name: settings.change_on(change) for change in OTHERS}
 
 
-def _restore(module: ModuleType) -> None:
-    """Put back every original whose attribute is still ours, and forget every applied set."""
+def _restore() -> None:
+    """Put back every original whose attribute is still ours, on every class, and forget every applied set."""
     if not _applied:
         return
-    for record in _applied.values():
+    # Newest first: a class two changes hooked gets its own __init_subclass__ state back in order.
+    for record in reversed(list(_applied.values())):
         for name, original in record.originals.items():
             if record.ours(name):
                 setattr(record.cls, name, original)
             else:
-                warn_once(f"revert: {TARGET_CLASS}.{name} was replaced by someone else after the patch; left as is")
+                warn_once(f"revert: {record.cls.__name__}.{name} was replaced by someone else after the patch; left "
+                          "as is")
         watch = record.subclass_watch
         if watch is not None and record.cls.__dict__.get("__init_subclass__") is watch:
             del record.cls.__init_subclass__
     _applied.clear()
-    _settle_live_flags(getattr(module, TARGET_CLASS))
+    cls = _loaded_class(UPSTREAM.target)
+    if cls is not None:
+        _settle_live_flags(cls)
 
 
 def _settle_live_flags(cls: type) -> None:
@@ -158,53 +171,35 @@ def _settle_live_flags(cls: type) -> None:
             obj.local_overflow = bool(obj.local_overflow)
 
 
-def _subclasses(cls: type) -> List[type]:
-    found, pending = [], list(cls.__subclasses__())
-    while pending:
-        sub = pending.pop()
-        if sub not in found:
-            found.append(sub)
-            pending.extend(sub.__subclasses__())
-    return found
-
-
-def _warn_if_overriding(sub: type) -> None:
-    """A subclass that defines a patched method itself runs its own method, not the patch's: say which."""
-    for name in [name for record in list(_applied.values()) for name in record.replacements]:
-        if name in sub.__dict__:
-            warn_once(f"{sub.__module__}.{sub.__qualname__} overrides {TARGET_CLASS}.{name}: its instances run "
-                      f"that override instead of the patch's {name} (the other patched method still applies)")
-
-
-def _watch_subclasses(cls: type) -> Optional[object]:
-    """Warn about overriding subclasses defined after the patch, too: hook their creation with
-    ``__init_subclass__`` on the patched class (removed on revert). Returns the hook; None, and nothing added, when
-    the class has one already (DeepSpeed's own, or the hook of a set applied before)."""
-    if "__init_subclass__" in cls.__dict__:
-        return None
-
-    def __init_subclass__(sub, **kwargs):
-        super(cls, sub).__init_subclass__(**kwargs)
-        _warn_if_overriding(sub)
-
-    cls.__init_subclass__ = classmethod(__init_subclass__)
-    return cls.__dict__["__init_subclass__"]
-
-
-def _target_failed(exc: BaseException) -> PatchStatus:
-    status = _set(
-        State.UNSUPPORTED, f"{TARGET_MODULE} failed to import ({type(exc).__name__}: {exc}); the patch applies "
-        f"when an import of it succeeds")
-    _log_or_raise(UPSTREAM.title, status.state, status.reason, strict=False)
+def _target_failed(exc: BaseException, target: Target = UPSTREAM.target) -> PatchStatus:
+    """Record that ``target``'s module failed to import: the package's state when it is the upstream change's module,
+    else the state of each change on that class that is switched on; one WARNING each."""
+    reason = (f"{target.module} failed to import ({type(exc).__name__}: {exc}); the patch applies when an import of "
+              "it succeeds")
+    if target == UPSTREAM.target:
+        status = _set(State.UNSUPPORTED, reason)
+        _log_or_raise(UPSTREAM.title, status.state, status.reason, strict=False)
+        return status
+    on = _switched_on()
+    failed = [change for change in OTHERS if change.target == target and on[change.name]]
+    status = _set(_status.state, _status.reason, _status.methods,
+                  {c.name: (State.UNSUPPORTED, reason)
+                   for c in failed})
+    for change in failed:
+        _log_or_raise(change.title, State.UNSUPPORTED, reason, strict=False)
     return status
 
 
-def _on_target_import_error(exc: BaseException) -> None:
-    """The lazy hook, when DeepSpeed's ZeRO module fails to import: say so once. The importer gets DeepSpeed's own
+def _on_target_import_error(exc: BaseException, target: Target = UPSTREAM.target) -> None:
+    """The lazy hook, when a target module fails to import: say so once. The importer gets DeepSpeed's own
     exception, unchanged (strict mode adds nothing to it)."""
     if isinstance(exc, Exception):
         with _lock:
-            _target_failed(exc)
+            _target_failed(exc, target)
+
+
+def _error_hook(target: Target) -> Callable[[BaseException], None]:
+    return lambda exc: _on_target_import_error(exc, target)
 
 
 def _on_target_import(module: ModuleType) -> None:
@@ -215,7 +210,7 @@ def _on_target_import(module: ModuleType) -> None:
     except PatchError:
         raise
     except Exception as exc:  # a bug here must not stop training
-        _restore(module)
+        _restore()
         status = _set(State.UNSUPPORTED, f"internal error while patching: {exc!r}")
         _log_or_raise("the patch", status.state, status.reason, strict)
 
@@ -238,8 +233,23 @@ def patch_on_import() -> PatchStatus:
             return status
         if TARGET_MODULE not in sys.modules:
             _set(State.PENDING, f"waiting for {TARGET_MODULE} to be imported")
-        import_hook.when_imported(TARGET_MODULE, _on_target_import, _on_target_import_error)
+        _pend_other_targets()
+        for target in targets():
+            import_hook.when_imported(target.module, _on_target_import, _error_hook(target))
         return _status
+
+
+def _pend_other_targets() -> None:
+    """Give each switched-on change on a class other than the upstream one the state ``pending`` until its module is
+    imported (its own hook decides then), and each switched-off one its ``off``."""
+    on = _switched_on()
+    _set(
+        _status.state, _status.reason, _status.methods, {
+            change.name:
+            (State.PENDING,
+             f"waiting for {change.target.module} to be imported") if on[change.name] else _left_out(change)
+            for change in OTHERS if change.target != UPSTREAM.target and change.target.module not in sys.modules
+        })
 
 
 def apply(changes: Optional[Mapping[str, bool]] = None) -> PatchStatus:
@@ -271,19 +281,27 @@ def apply(changes: Optional[Mapping[str, bool]] = None) -> PatchStatus:
             _set(State.DEEPSPEED_MISSING, "DeepSpeed is not installed (no importable 'deepspeed' package)")
             raise ImportError("deepspeed_offload_patch.apply() needs the 'deepspeed' package: pip install deepspeed",
                               name="deepspeed")
-    # Imported outside the lock: the import takes Python's module lock, and the lazy hook, which may run inside
-    # that import on this or another thread, takes ours.
-    try:
-        module = importlib.import_module(TARGET_MODULE)
-    except Exception as exc:
+    on = {**_switched_on(), **(changes or {})}
+    status = _status
+    for target in targets():
+        # Imported outside the lock: the import takes Python's module lock, and the lazy hook, which may run inside
+        # that import on this or another thread, takes ours.
+        try:
+            module = importlib.import_module(target.module)
+        except Exception as exc:
+            with _lock:
+                status = _target_failed(exc, target)
+            if settings.strict():
+                titles = [c.title for c in CHANGES if c.target == target and (c.upstream or on[c.name])]
+                raise PatchError(f"{', '.join(titles)} not applied: {target.module} failed to import "
+                                 f"({type(exc).__name__}: {exc})") from exc
+            if target == UPSTREAM.target:
+                return status
+            continue
         with _lock:
-            status = _target_failed(exc)
-        if settings.strict():
-            raise PatchError(f"{UPSTREAM.title} not applied: {status.reason}") from exc
-        return status
-    with _lock:
-        import_hook.cancel(TARGET_MODULE)
-        return _patch_module(module, settings.strict(), {**_switched_on(), **(changes or {})})
+            import_hook.cancel(target.module)
+            status = _patch_module(module, settings.strict(), on)
+    return status
 
 
 def revert() -> PatchStatus:
@@ -293,13 +311,16 @@ def revert() -> PatchStatus:
     cancelled. Live optimizers use the originals from their next call on.
     """
     with _lock:
-        import_hook.cancel(TARGET_MODULE)
-        module = sys.modules.get(TARGET_MODULE)
-        if not _applied or module is None:
-            return _set(State.REVERTED,
-                        "the pending patch was cancelled") if _status.state == State.PENDING else status()
+        pending = [change.name for change in OTHERS if _status.of(change)[0] == State.PENDING]
+        for target in targets():
+            import_hook.cancel(target.module)
+        if not _applied:
+            cancelled = (State.REVERTED, "the pending patch was cancelled")
+            if _status.state == State.PENDING:
+                return _set(*cancelled, others=dict.fromkeys(pending, cancelled))
+            return _set(_status.state, _status.reason, _status.methods, dict.fromkeys(pending, cancelled))
         had = [change.name for change in OTHERS if _status.of(change)[0] == State.APPLIED]
-        _restore(module)
+        _restore()
         restored = (State.REVERTED, "revert() restored DeepSpeed's original method")
         return _set(State.REVERTED,
                     "revert() restored DeepSpeed's original methods",
@@ -314,8 +335,8 @@ def is_applied() -> bool:
 
 def _still_applied(change: Change) -> bool:
     """Whether ``change``'s methods, in the loaded class's form, are all still its replacements."""
-    cls = getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
-    return cls is not None and all(_still_ours(name) for name in change.form_for(cls).methods)
+    cls = _loaded_class(change.target)
+    return cls is not None and all(_still_ours(change, name) for name in change.form_for(cls).methods)
 
 
 def status() -> PatchStatus:
@@ -330,23 +351,29 @@ def status() -> PatchStatus:
         for change in OTHERS:
             if current.of(change)[0] == State.APPLIED and not _still_applied(change):
                 current.changes[change.name] = (
-                    State.CONFLICT, f"{TARGET_CLASS}.{', '.join(change.form_for(_loaded_class()).methods)} was "
-                    "replaced by someone else after the patch applied")
+                    State.CONFLICT,
+                    f"{change.target.name}.{', '.join(change.form_for(_loaded_class(change.target)).methods)} "
+                    "was replaced by someone else after the patch applied")
         return current
 
 
-def _loaded_class() -> Optional[type]:
-    return getattr(sys.modules.get(TARGET_MODULE), TARGET_CLASS, None)
+def _loaded_class(target: Target = UPSTREAM.target) -> Optional[type]:
+    return getattr(sys.modules.get(target.module), target.name, None)
 
 
 def originals() -> Dict[str, Callable]:
-    """DeepSpeed's own functions that the applied changes replaced, by method name (a copy; empty before the patch
-    applies and after ``revert()``)."""
+    """DeepSpeed's own functions that the applied changes replaced, by method key (the bare name on ZeRO-1/2's class,
+    ``Class.name`` on another: :meth:`~deepspeed_offload_patch.changes.record.Target.key`); a copy, empty before the
+    patch applies and after ``revert()``."""
     with _lock:
-        return {name: original for record in _applied.values() for name, original in record.originals.items()}
+        return {
+            by_name(record.change).key(name): original
+            for record in _applied.values()
+            for name, original in record.originals.items()
+        }
 
 
-def _still_ours(name: str) -> bool:
-    """Whether method ``name`` of the loaded DeepSpeed's class is still the replacement an applied change installed."""
-    cls = _loaded_class()
+def _still_ours(change: Change, name: str) -> bool:
+    """Whether method ``name`` of ``change``'s loaded class is still the replacement an applied change installed."""
+    cls = _loaded_class(change.target)
     return cls is not None and any(record.cls is cls and record.ours(name) for record in _applied.values())

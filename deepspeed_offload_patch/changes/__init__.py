@@ -9,8 +9,9 @@ Order is the order ``status`` and ``check`` report them in; the first is the ups
 
 from typing import Tuple
 
-from deepspeed_offload_patch.changes import grad_accumulation, grad_norm, overflow_flag, several_backwards, skipped_step
-from deepspeed_offload_patch.changes.record import Change
+from deepspeed_offload_patch.changes import (grad_accumulation, grad_norm, overflow_flag, several_backwards,
+                                             skipped_step, zero3_overflow)
+from deepspeed_offload_patch.changes.record import Change, Target
 
 CHANGES: Tuple[Change, ...] = (
     overflow_flag.CHANGE,
@@ -18,6 +19,7 @@ CHANGES: Tuple[Change, ...] = (
     grad_norm.CHANGE,
     grad_accumulation.CHANGE,
     several_backwards.CHANGE,
+    zero3_overflow.CHANGE,
 )
 #: The upstream change: the package's ``state``, ``reason`` and ``diff``'s default.
 UPSTREAM = CHANGES[0]
@@ -34,5 +36,11 @@ def by_name(name: str) -> Change:
 
 
 def all_methods() -> Tuple[str, ...]:
-    """Every method some change replaces or reads (the fingerprint table covers them all)."""
-    return tuple(dict.fromkeys(name for change in CHANGES for name in change.method_names))
+    """Every method some change replaces or reads, by its key (:meth:`Target.key`): the fingerprint table covers them
+    all."""
+    return tuple(dict.fromkeys(change.key(name) for change in CHANGES for name in change.method_names))
+
+
+def targets() -> Tuple[Target, ...]:
+    """The classes the changes replace methods of, ZeRO-1/2's first."""
+    return tuple(dict.fromkeys(change.target for change in CHANGES))

@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a change to DeepSpeed declares: the one record that the guard, the patcher, the CLI and CI read.
 
-A :class:`Change` names the methods of ``DeepSpeedZeroOptimizer`` it replaces (one :class:`Form` per shape DeepSpeed
-gave them, each with its releases), how the guard decides about it, its states and words, and where its diffs live.
+A :class:`Change` names the class it changes (its :class:`Target`: ZeRO-1/2's ``DeepSpeedZeroOptimizer`` unless it says
+otherwise), the methods it replaces (one :class:`Form` per shape DeepSpeed gave them, each with its releases), how the
+guard decides about it, its states and words, and where its diffs live.
 Everything else in the package loops over :data:`deepspeed_offload_patch.changes.CHANGES`; ``docs/design.md`` says how
 to add one.
 """
@@ -13,6 +14,42 @@ from typing import Any, Callable, Optional, Tuple
 
 from deepspeed_offload_patch.settings import NAME_PREFIX
 from deepspeed_offload_patch.states import State
+
+
+@dataclass(frozen=True)
+class Target:
+    """The DeepSpeed class a change replaces methods of: ``module`` (importable name), ``name`` (the class) and the
+    ZeRO ``stages`` it runs."""
+
+    module: str
+    name: str
+    stages: Tuple[int, ...]
+
+    @property
+    def stage_text(self) -> str:
+        """``ZeRO-1/2``, ``ZeRO-3``: the stages as a job's description says them."""
+        return "ZeRO-" + "/".join(str(stage) for stage in self.stages)
+
+    @property
+    def path(self) -> str:
+        """The module's file inside DeepSpeed's source tree (``deepspeed/runtime/zero/stage3.py``)."""
+        return self.module.replace(".", "/") + ".py"
+
+    @property
+    def stem(self) -> str:
+        """The file's name without ``.py``: what ``patches/`` names its diffs after (``stage3-0.19.7.diff``)."""
+        return self.module.rsplit(".", 1)[-1]
+
+    def key(self, method: str) -> str:
+        """The method's name in the fingerprint table and in ``status``'s findings: bare for ZeRO-1/2's class (the
+        table's first target), ``Class.method`` for any other, so that two classes' ``step`` never meet."""
+        return method if self == ZERO_1_2 else f"{self.name}.{method}"
+
+
+#: ZeRO stages 1 and 2 (and ZenFlow, which subclasses it): the class of the upstream change.
+ZERO_1_2 = Target("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", (1, 2))
+#: ZeRO stage 3.
+ZERO_3 = Target("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", (3, ))
 
 
 @dataclass(frozen=True)
@@ -48,7 +85,7 @@ class Form:
 
 @dataclass(frozen=True)
 class Change:
-    """One change to DeepSpeed's ``DeepSpeedZeroOptimizer``, as the package applies, reports, gates and diffs it.
+    """One change to a DeepSpeed optimizer class, as the package applies, reports, gates and diffs it.
 
     * ``name``: the one name, in code, ``patches/<name>/``, the switch (:attr:`switch`) and ``diff --<name>``.
     * ``title``: what messages call it (``the ... fix``); ``label``: its heading in ``status``.
@@ -67,6 +104,7 @@ class Change:
       ``(yes/no/maybe, why)`` for an offloaded ZeRO-1/2 job (None: every such job).
     * ``verify_checks``: the behavioural checks of ``ds-offload-patch verify`` (by their names there) that prove it,
       run where it is in a state other than ``not-needed`` or ``off``.
+    * ``target``: the class whose methods it replaces (:data:`ZERO_1_2` unless it says otherwise).
     * ``corrects_training``: where it applies, it changes what a job learns on purpose (DeepSpeed trains on the wrong
       gradient there): the equivalence harness then compares the patched runs that reach its defect with unpatched
       DeepSpeed plus this change alone (``testing.equivalence.TRAINING_FIXED``), and the oracle proves the change.
@@ -89,6 +127,7 @@ class Change:
     affects: Optional[Callable[[Any], Tuple[str, str]]] = None
     verify_checks: Tuple[str, ...] = ()
     corrects_training: bool = False
+    target: Target = ZERO_1_2
 
     @property
     def switch(self) -> Optional[str]:
@@ -104,6 +143,10 @@ class Change:
     def method_names(self) -> Tuple[str, ...]:
         """Every method some form replaces or reads, in declaration order."""
         return tuple(dict.fromkeys(name for form in self.forms for name in form.methods + form.witnesses))
+
+    def key(self, method: str) -> str:
+        """:meth:`Target.key` of ``method`` in this change's class."""
+        return self.target.key(method)
 
     def replacements(self, name: str) -> Tuple[Tuple[str, Callable], ...]:
         """``((release specifier, function), ...)``: the replacements of method ``name``, one per form that has it

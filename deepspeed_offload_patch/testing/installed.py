@@ -31,11 +31,13 @@ def flag_is_read(precision: str) -> bool:
 def has_defect(name: str) -> bool:
     """Whether the installed DeepSpeed's own code has the defect that the change called ``name`` fixes: its guard
     applies it to DeepSpeed's class (or has, in this process). Raises LookupError for a name no change has."""
+    import importlib
+
     import deepspeed
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from deepspeed_offload_patch.changes import by_name
     from deepspeed_offload_patch.states import State
 
     change = by_name(name)
-    return change.decide(change, DeepSpeedZeroOptimizer, deepspeed.__version__).state == State.APPLIED
+    cls = getattr(importlib.import_module(change.target.module), change.target.name)
+    return change.decide(change, cls, deepspeed.__version__).state == State.APPLIED

@@ -42,12 +42,14 @@ def _status(state="applied",
             grad_norm="applied",
             version="0.19.8",
             grad_accumulation="not-needed",
-            several_backwards="not-needed"):
+            several_backwards="not-needed",
+            zero3_overflow="not-needed"):
     return PatchStatus(state, version, "", {}, {
         "grad-norm": (grad_norm, ""),
         "skipped-step": (skipped_step, ""),
         "grad-accumulation": (grad_accumulation, ""),
-        "several-backwards": (several_backwards, "")
+        "several-backwards": (several_backwards, ""),
+        "zero3-overflow": (zero3_overflow, "")
     })
 
 
@@ -62,6 +64,7 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
         "step-reads": ("yes", "yes"),
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
+        "zero3-nan-weights": ("no", "-"),
     }
     # Unpatched, or with the skipped-step fix off, the defects stay.
     assert _verdicts(_config(UPSTREAM), _status("disabled", "off"))["skipped-step"] == ("yes", "no")
@@ -94,6 +97,7 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
         "step-reads": ("yes", "yes"),
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
+        "zero3-nan-weights": ("no", "-"),
     }
     assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
     assert _verdicts(_config(path, data_types__grad_accum_dtype="fp32"), _status())["skipped-step"] == ("yes", "yes")
@@ -133,6 +137,26 @@ def test_jobs_without_zero_1_2_offload_or_with_a_check_that_never_skips_are_not_
     assert _verdicts(check_off, _status("disabled", "off"))["skipped-step"][0] == "no"
     fp16 = _config(UPSTREAM, bf16__enabled=False, fp16__enabled=True)
     assert _verdicts(fp16, _status("disabled", "off"))["skipped-step"] == ("yes", "no")
+
+
+def test_an_offloaded_zero3_job_in_bf16_or_fp32_has_the_nan_weights_defect_where_the_release_has_it():
+    """ZeRO-3 with ``offload_optimizer`` on 0.14.0 - 0.19.7: bf16 (whatever its check says: ZeRO-3 never reads it)
+    and fp32 apply an inf step, fixed where the ZeRO-3 overflow fix is applied; fp16 checks every step; 0.19.8 skips
+    (``not-needed``); the ZeRO-1/2 defects are not this job's."""
+    old = dict(version="0.16.9", skipped_step="not-needed", zero3_overflow="applied")
+    zero3 = _config(UPSTREAM, zero_optimization__stage=3)
+    verdicts = _verdicts(zero3, _status(**old))
+    assert verdicts["zero3-nan-weights"] == ("yes", "yes")
+    assert {verdict[0] for defect, verdict in verdicts.items() if defect != "zero3-nan-weights"} == {"no"}
+    check_off = _config(UPSTREAM, zero_optimization__stage=3, bf16__check_grad_overflow=False)
+    assert _verdicts(check_off, _status(**old))["zero3-nan-weights"] == ("yes", "yes")
+    fp32 = _config(UPSTREAM, zero_optimization__stage=3, bf16__enabled=False)
+    assert _verdicts(fp32, _status(**dict(old, zero3_overflow="off")))["zero3-nan-weights"] == ("yes", "no")
+    fp16 = _config(UPSTREAM, zero_optimization__stage=3, bf16__enabled=False, fp16__enabled=True)
+    assert _verdicts(fp16, _status(**old))["zero3-nan-weights"][0] == "no"
+    assert _verdicts(zero3, _status())["zero3-nan-weights"][0] == "no"  # 0.19.8: not-needed
+    no_offload = _config(UPSTREAM, zero_optimization__stage=3, zero_optimization__offload_optimizer__device="none")
+    assert _verdicts(no_offload, _status(**old))["zero3-nan-weights"][0] == "no"
 
 
 def test_upstream_s_own_fix_means_not_affected():

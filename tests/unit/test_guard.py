@@ -21,12 +21,15 @@ def test_every_recorded_form_has_exactly_one_replacement():
     for change in CHANGES:
         witnesses = {name for form in change.forms for name in form.witnesses}
         for name in set(change.method_names) - witnesses:  # witnesses are read, not replaced
-            for digest, releases in UNFIXED[name].items():
+            for digest, releases in UNFIXED[change.key(name)].items():
                 assert guard.replacement_for(change, name, digest) is not None, (name, releases)
                 # Every release of that form has the same replacement for it.
                 functions = {dict(change.form_of(v).functions)[name] for v in releases}
                 assert len(functions) == 1, (name, releases, functions)
-            covered = sorted({v for releases in UNFIXED[name].values() for v in releases}, key=guard.Version)
+            covered = sorted({v
+                              for releases in UNFIXED[change.key(name)].values()
+                              for v in releases},
+                             key=guard.Version)
             expected = [v for v in PATCHED_RELEASES if change.form_of(v) and name in change.form_of(v).methods]
             assert covered == expected, name
 
@@ -37,7 +40,9 @@ def test_every_release_has_at_most_one_form_of_each_change_and_one_of_the_upstre
             forms = [form for form in change.forms if guard.SpecifierSet(form.releases).contains(version)]
             assert len(forms) <= 1 and (forms or not change.upstream), (change.name, version, forms)
             for form in forms:
-                assert all(any(version in releases for releases in UNFIXED[name].values()) for name in form.methods)
+                assert all(
+                    any(version in releases for releases in UNFIXED[change.key(name)].values())
+                    for name in form.methods)
 
 
 def test_installed_deepspeed_is_a_recorded_unfixed_form():

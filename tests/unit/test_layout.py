@@ -15,17 +15,19 @@ FLOORS = {
     # nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
-        "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods"),
+        "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods",
+        "changes.zero3_overflow.methods"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one.
     1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
-        "changes.grad_accumulation.probe", "changes.several_backwards.probe", "audit.counts"),
+        "changes.grad_accumulation.probe", "changes.several_backwards.probe", "changes.zero3_overflow.probe",
+        "audit.counts"),
     2: ("changes.record", ),  # what a change declares
     3: ("guard", ),  # the decision whether to patch, given a change
     4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step", "changes.grad_accumulation",
-        "changes.several_backwards"),  # one record each
+        "changes.several_backwards", "changes.zero3_overflow"),  # one record each
     5: ("changes", ),  # the registry
-    6: ("patch_status", ),  # what status() reports
+    6: ("patch_status", "replacements"),  # what status() reports; what a change installs on a class
     7: ("patcher", ),  # applies and reverts, keeps the status
     # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
     # verify and the harness); a job's defects from its config.
@@ -33,7 +35,7 @@ FLOORS = {
     9: ("testing.models", "audit.command"),
     10: ("testing.equivalence", "testing.oracle", "audit"),
     11: ("verify", "demo", "bench_report", "testing.outcomes"),
-    12: ("bench", ),
+    12: ("bench", "testing.skips"),
     13: ("cli", ),
     14: ("__main__", "_bootstrap.sitecustomize"),
 }

@@ -41,7 +41,7 @@ def decide(change: Change, cls: type, version: str) -> guard.Decision:
             "skipped step leaves no gradient behind")
     found, replacement = guard.classify_method(cls, name, change)
     step = cls.__dict__.get(witness)
-    step_known = step is not None and guard.fingerprint(step) in UNFIXED.get(witness, {})
+    step_known = step is not None and guard.fingerprint(step) in UNFIXED.get(change.key(witness), {})
     methods = {
         name: found,
         witness: guard.PATCHABLE if step_known else (guard.MISMATCH if step is not None else guard.MISSING)
@@ -55,7 +55,7 @@ def decide(change: Change, cls: type, version: str) -> guard.Decision:
     if found == guard.FIXED:
         return guard.Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version}: {name} is already the fixed form", methods)
     if found == guard.PATCHABLE and step_known:
-        releases = guard.releases_shipping({witness: step})
+        releases = guard.releases_shipping({change.key(witness): step})
         shape = (
             f"step() and {name} match the form of DeepSpeed {guard.releases_text(releases)}, whose skipped steps keep "
             "their gradient")
