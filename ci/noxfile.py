@@ -793,7 +793,8 @@ def outcomes(session: nox.Session, deepspeed: str) -> None:
     """What one inf does to an offload job (``deepspeed_offload_patch/testing/outcomes.py``: every ZeRO stage, every
     precision, bf16's check on, off and left out, accumulation 1 and 2) on one release, unpatched and patched, each
     cell in fresh ranks; writes ``docs/outcomes/<release>.json``, from which ``ci/outcomes_table.py`` renders
-    docs/releases.md's table. ``-- --every`` adds a NaN and a fault on every rank (4 x the cells)."""
+    docs/releases.md's table. ``-- --every`` adds a NaN and a fault on every rank (4 x the cells); ``-- --stage 3``
+    retrains one stage's rows and keeps the others."""
     _record(session, deepspeed, "outcomes")
 
 

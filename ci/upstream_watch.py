@@ -1,12 +1,15 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 """The upstream watch's check, run in an environment with a DeepSpeed to watch (the newest release, a pre-release,
-DeepSpeed's git main) and this package installed: ``ds-offload-patch status --json``, then ``verify``.
+DeepSpeed's git main) and this package installed: ``ds-offload-patch status --json``, then ``verify``, then one row of
+the one-inf outcome table.
 
-It passes when the fix is active (``applied`` or ``upstream-fixed``) and ``verify`` passes. It fails (exit 1) when
-the state is anything else or ``verify`` fails, with one line that names the DeepSpeed, the state and each method
-whose code is a form the package does not know (its fingerprint is new): the first step of the runbook in
-``ci/README.md``, "A new DeepSpeed form". ``--report FILE`` also writes that text, with the status, as Markdown (the
+It passes when the fix is active (``applied`` or ``upstream-fixed``), ``verify`` passes, and every stage with
+``offload_optimizer``, in bf16 and in fp32, skips the step of one inf on one rank, patched (:data:`ROW`, trained by
+:mod:`deepspeed_offload_patch.testing.outcomes` in one launch of 2 ranks). It fails (exit 1) when the state is
+anything else, ``verify`` fails or a cell of the row comes out otherwise (NaN weights, a crash, ranks that disagree),
+with one line that names the DeepSpeed, the state and each method whose code is a form the package does not know (its
+fingerprint is new): the first step of the runbook in ``ci/README.md``, "A new DeepSpeed form". ``--report FILE`` also writes that text, with the status, as Markdown (the
 body of the issue the workflow opens).
 
     python ci/upstream_watch.py [--report watch.md]
@@ -18,9 +21,12 @@ import subprocess
 import sys
 from typing import Dict, List, Tuple
 
-from deepspeed_offload_patch.changes import OTHERS, UPSTREAM
+from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM
 
 TEMPLATE = "ci/templates/upstream-watch.yml"
+#: The outcome table's row the watch trains: ZeRO-1, 2, 3, bf16 (the check on) and fp32, an inf on rank 0.
+ROW = ("s1-bf16-ga1-inf-one", "s1-fp32-ga1-inf-one", "s2-bf16-ga1-inf-one", "s2-fp32-ga1-inf-one",
+       "s3-bf16-ga1-inf-one", "s3-fp32-ga1-inf-one")
 
 
 def template_command(path: str) -> List[str]:
@@ -46,15 +52,19 @@ def fingerprints(methods: Dict[str, str]) -> List[str]:
     """The methods whose finding says their code is no form the package knows, each with its new fingerprint."""
     import importlib
 
-    new = [name for name, finding in methods.items() if finding not in ("patchable", "fixed", "ours")]
+    new = [key for key, finding in methods.items() if finding not in ("patchable", "fixed", "ours")]
     if not new:
         return []
     from deepspeed_offload_patch.guard import fingerprint
-    cls = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2").DeepSpeedZeroOptimizer
-    return [
-        f"{name} ({methods[name]}, fingerprint {fingerprint(cls.__dict__[name])})"
-        if name in cls.__dict__ else f"{name} ({methods[name]})" for name in new
-    ]
+    # A key is a method's name on ZeRO-1/2's class, Class.name on another's.
+    where = {change.key(name): (change.target, name) for change in CHANGES for name in change.method_names}
+    found = []
+    for key in new:
+        target, name = where.get(key, (UPSTREAM.target, key))
+        cls = getattr(importlib.import_module(target.module), target.name)
+        found.append(f"{key} ({methods[key]}, fingerprint {fingerprint(cls.__dict__[name])})" if name in
+                     cls.__dict__ else f"{key} ({methods[key]})")
+    return found
 
 
 def verify() -> Tuple[int, str]:
@@ -63,6 +73,19 @@ def verify() -> Tuple[int, str]:
                             text=True)
     lines = [line for line in result.stdout.splitlines() if line.startswith("verify:")]
     return result.returncode, "\n".join(lines) or result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def one_inf_row() -> Dict[str, str]:
+    """The outcome of each cell of :data:`ROW` here, patched, by name (``"crash: ..."`` and the like)."""
+    from deepspeed_offload_patch.testing import outcomes
+    from deepspeed_offload_patch.testing.launch import DistributedFailure, run_distributed
+
+    cells = [cell for cell in outcomes.core_cells() if cell.name in ROW]
+    try:
+        ranks = run_distributed(outcomes.train_row, 2, args=(cells, ), timeout=outcomes.HANG_S)
+    except DistributedFailure as failure:
+        return {cell.name: f"ranks-disagree: {str(failure).splitlines()[0][:200]}" for cell in cells}
+    return {cell.name: ": ".join(outcomes.classify([rank[cell.name] for rank in ranks])) for cell in cells}
 
 
 def main() -> int:
@@ -85,10 +108,17 @@ def main() -> int:
     code, verified = verify()
     if code != 0:
         problems.append(f"verify failed: {verified.splitlines()[-1] if verified else code}")
+    row = one_inf_row()
+    wrong = {name: outcome for name, outcome in row.items() if not outcome.startswith("skipped")}
+    if wrong:
+        problems.append("one inf is not skipped: " + "; ".join(f"{name}: {outcome}"
+                                                               for name, outcome in wrong.items()))
+    verified += "\n" + "\n".join(f"one inf, {name}: {outcome}" for name, outcome in row.items())
     if problems:
         line = f"upstream watch: FAIL: DeepSpeed {version}: " + "; ".join(problems)
     else:
-        line = f"upstream watch: OK: DeepSpeed {version} is {state}; verify passes"
+        line = (f"upstream watch: OK: DeepSpeed {version} is {state}; verify passes; one inf is skipped at ZeRO-1, 2 "
+                "and 3 in bf16 and fp32")
     print(line)
     if args.report:
         with open(args.report, "w") as f:

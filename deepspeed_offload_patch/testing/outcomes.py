@@ -24,6 +24,7 @@ the full parameters after every step (gathered at ZeRO-3) and the engine's count
 
     python -m deepspeed_offload_patch.testing.outcomes --json outcomes.json             # the core cells
     python -m deepspeed_offload_patch.testing.outcomes --json outcomes.json --every     # every cell
+    python -m deepspeed_offload_patch.testing.outcomes --json outcomes.json --stage 3   # ZeRO-3's rows again
 """
 
 import argparse
@@ -168,6 +169,15 @@ def train_one(cell: Cell) -> Dict[str, Any]:
     return found
 
 
+def train_row(cells: Sequence[Cell]) -> Dict[str, Any]:
+    """:func:`train` each of ``cells`` on this rank, one after the other in the same ranks, by name: what the upstream
+    watch's one launch calls (a cell that hangs takes the rest with it, which is a failure of the row either way)."""
+    import warnings
+
+    warnings.simplefilter("ignore", FutureWarning)
+    return {cell.name: train(cell) for cell in cells}
+
+
 def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
     """The same bits in every parameter, a NaN equal to a NaN (ranks that both hold NaN weights agree)."""
     return all(torch.allclose(a[name], b[name], rtol=0, atol=0, equal_nan=True) for name in a)
@@ -248,16 +258,37 @@ def run(cells: Sequence[Cell]) -> Dict[str, Any]:
     }
 
 
+def _merged(table: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """``table``'s rows in place of the same cells' rows of the table recorded at ``path``, the others kept in their
+    order. Raises SystemExit when that table is of another release."""
+    with open(path) as f:
+        recorded = json.load(f)
+    if recorded.get("deepspeed", "").strip() != table["deepspeed"]:
+        raise SystemExit(f"{path} records DeepSpeed {recorded.get('deepspeed')}, not {table['deepspeed']}: "
+                         "record the whole table instead")
+    new = {row["name"]: row for row in table["cells"]}
+    return dict(table, cells=[new.pop(row["name"], row) for row in recorded["cells"]] + list(new.values()))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where to write the outcome table")
     parser.add_argument("--every", action="store_true", help="inf and NaN, on one rank and on every rank")
     parser.add_argument("--cells", help="only these cells (comma-separated names)")
+    parser.add_argument("--stage",
+                        type=int,
+                        choices=(1, 2, 3),
+                        help="only this stage's cells; the other rows of the table already at --json (the same "
+                        "release) are kept")
     args = parser.parse_args(argv)
     cells = every_cell() if args.every else core_cells()
     if args.cells:
         cells = [cell for cell in cells if cell.name in args.cells.split(",")]
+    if args.stage:
+        cells = [cell for cell in cells if cell.stage == args.stage]
     table = run(cells)
+    if args.stage and os.path.exists(args.json):
+        table = _merged(table, args.json)
     with open(args.json, "w") as f:
         json.dump(table, f, indent=1)
     counts: Dict[str, Dict[str, int]] = {}
@@ -265,7 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for side in ("unpatched", "patched"):
             counts.setdefault(side, {}).setdefault(row[side], 0)
             counts[side][row[side]] += 1
-    print(f"DeepSpeed {table['deepspeed']}: {len(cells)} cells; {counts}; wrote {os.path.abspath(args.json)}")
+    print(f"DeepSpeed {table['deepspeed']}: {len(cells)} cells trained, {len(table['cells'])} in the table; {counts}; "
+          f"wrote {os.path.abspath(args.json)}")
     return 0
 
 

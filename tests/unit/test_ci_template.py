@@ -117,6 +117,28 @@ def test_the_upstream_watch_passes_on_the_newest_release(tmp_path):
     assert report.read_text().startswith("upstream watch: OK"), report.read_text()
 
 
+def test_the_upstream_watch_fails_when_one_inf_is_not_skipped(monkeypatch, capsys):
+    """A release on which a cell of the watch's one-inf row comes out otherwise (NaN weights here) fails the watch,
+    and its line names the cell and the outcome, though the state and verify are good."""
+    sys.path.insert(0, os.path.join(ROOT, "ci"))
+    import upstream_watch
+
+    from deepspeed_offload_patch.changes import OTHERS
+
+    found = {"deepspeed_version": "0.20.0", "state": "applied", "reason": "", "methods": {}}
+    found.update({change.state_key: change.good_states[0] for change in OTHERS})
+    row = dict.fromkeys(upstream_watch.ROW, "skipped: skipped steps 1")
+    row["s3-fp32-ga1-inf-one"] = "nan-weights: non-finite parameters after step 1, skipped steps 0"
+    monkeypatch.setattr(upstream_watch, "status", lambda: found)
+    monkeypatch.setattr(upstream_watch, "verify", lambda: (0, "verify: ok"))
+    monkeypatch.setattr(upstream_watch, "one_inf_row", lambda: row)
+    monkeypatch.setattr(sys, "argv", ["upstream_watch.py"])
+    assert upstream_watch.main() == 1
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("upstream watch: FAIL: DeepSpeed 0.20.0: one inf is not skipped: s3-fp32-ga1-inf-one: "
+                           "nan-weights"), line
+
+
 def test_the_gate_runs_on_the_python_the_repository_trains_with():
     """One variable, documented at the top, sets the Python of every job: a gate that ran on another interpreter than
     the training could pass while the training runs unpatched."""
