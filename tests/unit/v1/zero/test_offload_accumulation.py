@@ -41,9 +41,10 @@ CELLS = (
     Cell(stage=2, backwards=4),
     Cell(stage=1, grad_accum=4, clipping=True),
     Cell(stage=1, backwards=4),
-    # ZeRO-3, which the package does not change: right on every release once each parameter all-gather is waited for
-    # (testing/zero3_gather.py, which train_cells puts in place before 0.19.8: gloo's handles are independent and
-    # those releases wait for the last alone, so a cell could come out right in one run and wrong in the next).
+    # ZeRO-3, whose steps without an inf/NaN the package does not change: right on every release once each parameter
+    # all-gather is waited for (testing/zero3_gather.py, which train_cells puts in place before 0.19.8: gloo's handles
+    # are independent and those releases wait for the last alone, so a cell could come out right in one run and
+    # wrong in the next).
     Cell(stage=3, grad_accum=3),
     Cell(stage=3, offload_param=True, backwards=4, clipping=True),
 )
