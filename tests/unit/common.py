@@ -12,6 +12,7 @@ and the time it had.
 """
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -97,3 +98,16 @@ def on_free_port(command: List[str]) -> List[str]:
         if os.path.basename(str(arg)) in LAUNCHERS:
             return [*command[:index + 1], "--master_port", str(free_port()), *command[index + 1:]]
     return list(command)
+
+
+def synthetic_class(tmp_path, name: str, body: str, header: str = "", class_name: str = "DeepSpeedZeroOptimizer"):
+    """``class_name`` of a module ``name`` written under ``tmp_path`` as ``header`` and the class with ``body`` (its
+    methods' text, dedented here) and imported: its methods' source is real and readable, as DeepSpeed's is, so the
+    guard fingerprints it and finds it defined in the class's own file."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(header + f"\n\nclass {class_name}:\n" + textwrap.indent(textwrap.dedent(body), "    "))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return getattr(module, class_name)

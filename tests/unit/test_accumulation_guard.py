@@ -19,6 +19,7 @@ from deepspeed_offload_patch.changes import by_name
 from deepspeed_offload_patch.changes.grad_accumulation.probe import probe_accumulation
 from deepspeed_offload_patch.changes.several_backwards.probe import probe_backwards
 from deepspeed_offload_patch.states import State
+from unit.common import synthetic_class
 from unit.test_patch_lifecycle import run, warnings_in
 
 GRAD_ACCUMULATION, SEVERAL_BACKWARDS = by_name("grad-accumulation"), by_name("several-backwards")
@@ -59,14 +60,7 @@ EVERY_BACKWARD = _COPY.format(when="self.micro_step_id > 0 or not self.is_gradie
 
 def _synthetic(tmp_path, name: str, text: str) -> type:
     """``DeepSpeedZeroOptimizer`` of a module file holding ``text`` as its body (torch imported)."""
-    path = tmp_path / f"{name}.py"
-    path.write_text("import torch\n\n\nclass DeepSpeedZeroOptimizer:\n" +
-                    textwrap.indent(textwrap.dedent(text), "    "))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.DeepSpeedZeroOptimizer
+    return synthetic_class(tmp_path, name, text, "import torch\n")
 
 
 def _ours(change, tmp_path) -> type:

@@ -2,9 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The guard: fingerprints of the installed DeepSpeed and of synthetic classes, and the version range."""
 
-import importlib.util
 import inspect
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +13,7 @@ from deepspeed_offload_patch.changes.overflow_flag import methods as overflow
 from deepspeed_offload_patch.changes.overflow_flag.probe import probe_tracker
 from deepspeed_offload_patch.fingerprints import UNFIXED
 from deepspeed_offload_patch.releases import PATCHED_RELEASES
+from unit.common import synthetic_class
 
 
 def test_every_recorded_form_has_exactly_one_replacement():
@@ -77,13 +76,7 @@ HEADER = "import torch\nfrom deepspeed import comm as dist\nfrom deepspeed.accel
 
 def _synthetic_class(tmp_path, name: str, methods: str):
     """A module file defining ``DeepSpeedZeroOptimizer`` with ``methods`` (so its source is real and readable)."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(HEADER + "\n\nclass DeepSpeedZeroOptimizer:\n" + textwrap.indent(methods, "    "))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.DeepSpeedZeroOptimizer
+    return synthetic_class(tmp_path, name, methods, HEADER)
 
 
 def test_a_release_with_the_fixed_form_is_upstream_fixed(tmp_path):

@@ -6,7 +6,6 @@ words, ``unsupported`` for the defect in a new form, and each switch doing what 
 ``tests/unit/v1/zero/test_offload_skipped_step.py``."""
 
 import importlib.util
-import sys
 import textwrap
 
 import pytest
@@ -18,7 +17,7 @@ from deepspeed_offload_patch.changes.skipped_step.probe import probe_skipped_ste
 
 SKIPPED_STEP = by_name("skipped-step")
 from deepspeed_offload_patch.states import State
-from unit.common import run_command, run_python
+from unit.common import run_command, run_python, synthetic_class
 from unit.test_patch_lifecycle import run, warnings_in
 
 
@@ -51,17 +50,11 @@ def _class_like_deepspeed(**methods):
 def _synthetic(tmp_path, name: str, text: str) -> type:
     """``DeepSpeedZeroOptimizer`` of a module file holding ``text`` as its body, with 0.19.8's ``reset_cpu_buffers``
     and a compact buffer switch."""
-    path = tmp_path / f"{name}.py"
     reset = textwrap.dedent(__import__("inspect").getsource(_originals()["reset_cpu_buffers"]))
-    body = textwrap.indent(
-        reset + "\n" + textwrap.dedent(text) +
-        "\ndef _use_compact_grad_partition_buffer(self, group_idx):\n    return True\n", "    ")
-    path.write_text("class DeepSpeedZeroOptimizer:\n" + body)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.DeepSpeedZeroOptimizer
+    return synthetic_class(
+        tmp_path, name,
+        reset + "\n" + textwrap.dedent(text) + "\ndef _use_compact_grad_partition_buffer(self, group_idx):\n"
+        "    return True\n")
 
 
 needs_buffer = pytest.mark.skipif("not _compact_buffer_release()",

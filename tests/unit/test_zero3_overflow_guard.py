@@ -7,9 +7,7 @@ package's own text in DeepSpeed's file is ``upstream-fixed``, code in no known f
 method under DeepSpeed's NVTX decorator is read through it. The defective forms are made from the package's own
 replacements with the fix taken out (their fingerprints are DeepSpeed's: comments do not count)."""
 
-import importlib.util
 import inspect
-import sys
 import textwrap
 
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from deepspeed_offload_patch import guard
 from deepspeed_offload_patch.changes import by_name
 from deepspeed_offload_patch.changes.zero3_overflow import methods
+from unit.common import synthetic_class
 
 CHANGE = by_name("zero3-overflow")
 METHOD = "_overflow_check_and_loss_scale_update"
@@ -66,14 +65,7 @@ def _text(function, fixed: bool = True, decorated: bool = False) -> str:
 
 
 def _stage3(tmp_path, name: str, *methods_text: str):
-    path = tmp_path / f"{name}.py"
-    body = "\n".join(methods_text)
-    path.write_text(HEADER + "\n\nclass DeepSpeedZeroOptimizer_Stage3:\n" + textwrap.indent(body, "    "))
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.DeepSpeedZeroOptimizer_Stage3
+    return synthetic_class(tmp_path, name, "\n".join(methods_text), HEADER, "DeepSpeedZeroOptimizer_Stage3")
 
 
 @pytest.mark.parametrize("function, version", [(methods.overflow_check_and_loss_scale_update, "0.15.4"),
