@@ -7,10 +7,12 @@ out that step's update itself.
 first step and after each, everything a step can change (:func:`snapshot`): the full parameters, the fp32 master
 partitions, the optimizer's state, the loss scale, the engine's counts of steps and skipped steps and the global
 gradient norm. With ``reference=True`` no fault is put in; instead, at the faulty step, the optimizer is told that its
-gradients overflowed (``optimizer.overflow = True`` before ``engine.step()``, as DeepSpeed's own check sets it) and
-DeepSpeed takes its own overflow path: the step is counted as skipped, the gradients are cleared, nothing else
-changes. That needs a step that does not recompute the flag in this precision, which is what leaves the step open to
-an inf: bf16 and fp32 ZeRO-3 with the ZeRO-3 overflow fix switched off, on the releases with the defect.
+gradients overflowed, as DeepSpeed's own check would tell it (``optimizer.overflow = True`` before ``engine.step()``,
+and ``check_overflow`` answering the same where the step runs it), and DeepSpeed takes its own overflow path: the
+step is counted as skipped, the gradients are cleared, the loss scale moves as DeepSpeed moves it, nothing else
+changes. Where DeepSpeed's step checks (fp16), that reference must equal DeepSpeed's own skip of a real fault bit for
+bit, which is how the suite knows the reference means what DeepSpeed means; where it does not (bf16 and fp32 ZeRO-3
+before 0.19.8, the fix off), the reference is the skip DeepSpeed would have made.
 
 A fixed job with the fault must match that reference bit for bit at every snapshot (:func:`differences`).
 """
@@ -80,13 +82,17 @@ def train(cell: outcomes.Cell, reference: bool = False, fault: bool = True) -> L
             boundary = step == outcomes.FAULT_STEP and micro == cell.grad_accum - 1
             armed[0] = fault and not reference and boundary and (cell.every_rank or rank == 0)
             engine.backward(engine(oracle.inputs(step, micro, rank).to(engine.device, dtype)))
+            optimizer = engine.optimizer
             if reference and boundary:
-                engine.optimizer.overflow = True
+                optimizer.overflow = True
+                optimizer.check_overflow = lambda *args, **kwargs: setattr(optimizer, "overflow", True)
             with torch.no_grad():  # as the oracle: 0.18.7 - 0.18.9 fail in grad mode
                 engine.step()
             if reference and boundary:
-                # DeepSpeed's check would clear it at the next step; this precision's step never runs that check.
-                engine.optimizer.overflow = False
+                # DeepSpeed's check clears the flag at the next step where the step runs it; bf16 and fp32 steps
+                # without the fix never do.
+                del optimizer.check_overflow
+                optimizer.overflow = False
         found.append(snapshot(engine, cell.stage))
     return found
 
