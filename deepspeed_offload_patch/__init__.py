@@ -11,8 +11,12 @@ patch, it leaves DeepSpeed untouched and says why in ``status()`` and in one WAR
 
 from deepspeed_offload_patch.patcher import (GOOD_STATES, PatchError, PatchStatus, apply, is_applied, patch_on_import,
                                              revert, status)
+from deepspeed_offload_patch.skip_log import skipped_steps
 
 __version__ = "0.2.0.dev0"
-__all__ = ["apply", "revert", "is_applied", "status", "PatchStatus", "PatchError", "GOOD_STATES", "__version__"]
+__all__ = [
+    "apply", "revert", "is_applied", "status", "skipped_steps", "PatchStatus", "PatchError", "GOOD_STATES",
+    "__version__"
+]
 
 patch_on_import()

@@ -53,6 +53,25 @@ UNFIXED = {
         '780c96d434cde936': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
                              '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9')
     },
+    'scaled_global_norm': {
+        '9c285e1d64ef0605': ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2',
+                             '0.15.3', '0.15.4', '0.16.0', '0.16.1', '0.16.2'),
+        'd2307e6e96fac9b9': ('0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0'),
+        '84bff119efb65325': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2',
+                             '0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1',
+                             '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7')
+    },
+    '_update_scale': {
+        '7deb1ac1857b7d5c':
+        ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2', '0.15.3', '0.15.4',
+         '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0',
+         '0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2', '0.18.3', '0.18.4',
+         '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1', '0.19.2', '0.19.3', '0.19.4', '0.19.5',
+         '0.19.6', '0.19.7')
+    },
+    '_check_overflow': {
+        '7f9bcb7e3ef37507': ('0.17.1', '0.17.2', '0.17.3', '0.17.4', '0.17.5', '0.17.6')
+    },
     'DeepSpeedZeroOptimizer_Stage3._overflow_check_and_loss_scale_update': {
         '6c4199950255d63d': ('0.14.0', '0.14.1', '0.14.2', '0.14.3', '0.14.4', '0.14.5', '0.15.0', '0.15.1', '0.15.2',
                              '0.15.3', '0.15.4', '0.16.0', '0.16.1'),
@@ -70,11 +89,16 @@ OWN = {
     'grad-accumulation.async_accumulate_grad_in_cpu_via_gpu_fp16_master': '7b71eacb792786f0',
     'grad-norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',
     'grad-norm.complete_grad_norm_returning_a_number': 'e00e658ea7a4855e',
+    'invalid-norm._update_scale': '89fba8d75c21ae9d',
+    'invalid-norm.scaled_global_norm': 'b413884e0084299b',
+    'invalid-norm.scaled_global_norm_of_numbers': 'e874e5c617e29889',
+    'invalid-norm.scaled_global_norm_of_numbers_torch_norm': '6948e659b42c02a9',
     'overflow-flag.has_overflow': '9bf46cded86d17ed',
     'overflow-flag.has_overflow_dp_if_partitioned': 'ffba0699b62bdf14',
     'overflow-flag.has_overflow_serial_if_not_partitioned': 'a62fb90c2a027c08',
     'overflow-flag.update_offload_overflow_tracker': '5bb45a9f6198c50e',
     'overflow-flag.update_overflow_tracker_for_param_grad': '2cd76a9d032d196e',
+    'rank-agreement._check_overflow': 'd7b15cc62069a60e',
     'several-backwards.copy_grads_in_partition': '2168cfdb41d9c59e',
     'several-backwards.copy_grads_in_partition_param_tracker': '64e64359c5af5295',
     'skipped-step.reset_cpu_buffers': '38d1e1a8c7de425c',

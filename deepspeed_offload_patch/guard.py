@@ -206,6 +206,21 @@ def version_refused(version: str) -> Optional[str]:
     return None
 
 
+def settled(found: str, cls: type, name: str, version: str, methods: Dict[str, str]) -> Optional[Decision]:
+    """The decision that the finding ``found`` of method ``name`` settles alone, for a change that decides in its own
+    module: ``applied`` when the method is the package's replacement already, ``conflict`` when someone else replaced
+    it (never clobbered), ``upstream-fixed`` when it is the fixed form; None for any other finding."""
+    if found == OURS:
+        return Decision(State.APPLIED, f"DeepSpeed {version}: already applied", methods)
+    if found == FOREIGN:
+        return Decision(
+            State.CONFLICT, f"{cls.__name__}.{name} already replaced by another patch (now "
+            f"{owner(cls.__dict__[name])})", methods)
+    if found == FIXED:
+        return Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version}: {name} is already the fixed form", methods)
+    return None
+
+
 def decide_by_methods(change: Change, cls: type, version: str) -> Decision:
     """Decide what to do with ``change``'s methods of ``cls`` (``DeepSpeedZeroOptimizer``) on DeepSpeed ``version``,
     in the form that ``cls`` has.

@@ -15,7 +15,7 @@ import threading
 from types import ModuleType
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
-from deepspeed_offload_patch import import_hook, settings
+from deepspeed_offload_patch import import_hook, settings, skip_log
 from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM, by_name, targets
 from deepspeed_offload_patch.changes.record import Change, Target
 from deepspeed_offload_patch.log import info_once, warn_once
@@ -236,6 +236,8 @@ def patch_on_import() -> PatchStatus:
         _pend_other_targets()
         for target in targets():
             import_hook.when_imported(target.module, _on_target_import, _error_hook(target))
+        if settings.skip_log_on():
+            import_hook.when_imported(skip_log.MODULE, skip_log.install)
         return _status
 
 
@@ -301,6 +303,8 @@ def apply(changes: Optional[Mapping[str, bool]] = None) -> PatchStatus:
         with _lock:
             import_hook.cancel(target.module)
             status = _patch_module(module, settings.strict(), on)
+    if settings.skip_log_on():
+        skip_log.install(importlib.import_module(skip_log.MODULE))
     return status
 
 
@@ -314,6 +318,8 @@ def revert() -> PatchStatus:
         pending = [change.name for change in OTHERS if _status.of(change)[0] == State.PENDING]
         for target in targets():
             import_hook.cancel(target.module)
+        import_hook.cancel(skip_log.MODULE)
+        skip_log.uninstall()
         if not _applied:
             cancelled = (State.REVERTED, "the pending patch was cancelled")
             if _status.state == State.PENDING:

@@ -19,6 +19,8 @@ ALL_PYTHONS = "DS_OFFLOAD_PATCH_ALL_PYTHONS"
 UPSTREAM_ONLY = "DS_OFFLOAD_PATCH_UPSTREAM_ONLY"
 #: What every switch's name starts with (messages that speak of them all: ``DS_OFFLOAD_PATCH_*``).
 NAME_PREFIX = "DS_OFFLOAD_PATCH_"
+#: 0: no line for a skipped step (``skip_log``); also left out under ``UPSTREAM_ONLY``.
+SKIP_LOG = "DS_OFFLOAD_PATCH_SKIP_LOG"
 
 # Set by ``ds-offload-patch audit`` for the ranks it launches (deepspeed_offload_patch.audit.rank reads them).
 #: The folder the rank reports go to; the audit is on in a process only when this is set.
@@ -81,6 +83,12 @@ def change_on(change) -> bool:
         return True
     return not upstream_only() and flag(
         change.switch, odd=False, unset=True, odd_means=f"so {change.title} is left out")
+
+
+def skip_log_on() -> bool:
+    """Whether to say each skipped step (:mod:`deepspeed_offload_patch.skip_log`): unless ``SKIP_LOG`` is false or
+    ``UPSTREAM_ONLY`` is true; an odd value reads as off, with a warning."""
+    return not upstream_only() and flag(SKIP_LOG, odd=False, unset=True, odd_means="so skipped steps are not logged")
 
 
 def auto() -> bool:

@@ -9,8 +9,8 @@ Order is the order ``status`` and ``check`` report them in; the first is the ups
 
 from typing import Tuple
 
-from deepspeed_offload_patch.changes import (grad_accumulation, grad_norm, overflow_flag, several_backwards,
-                                             skipped_step, zero3_overflow)
+from deepspeed_offload_patch.changes import (grad_accumulation, grad_norm, invalid_norm, overflow_flag, rank_agreement,
+                                             several_backwards, skipped_step, zero3_overflow)
 from deepspeed_offload_patch.changes.record import Change, Target
 
 CHANGES: Tuple[Change, ...] = (
@@ -19,6 +19,8 @@ CHANGES: Tuple[Change, ...] = (
     grad_norm.CHANGE,
     grad_accumulation.CHANGE,
     several_backwards.CHANGE,
+    invalid_norm.CHANGE,
+    rank_agreement.CHANGE,
     zero3_overflow.CHANGE,
 )
 #: The upstream change: the package's ``state``, ``reason`` and ``diff``'s default.

@@ -17,7 +17,7 @@ before 0.19.8, the fix off), the reference is the skip DeepSpeed would have made
 A fixed job with the fault must match that reference bit for bit at every snapshot (:func:`differences`).
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -112,6 +112,25 @@ def train_many(runs) -> Dict[str, Any]:
     return found
 
 
+def train_each(runs, world: int, env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
+    """:func:`train_many` of each run of ``runs`` in its own ``world`` ranks (a job that crashes or parts its ranks
+    cannot take the other runs with it), by rank: a run whose ranks failed gives, on every rank, the error in a few
+    words (a ``str``) instead of its snapshots; ``"status"`` is the last run's."""
+    from deepspeed_offload_patch.testing.launch import run_distributed
+
+    found: List[Dict[str, Any]] = [{} for _ in range(world)]
+    for run in runs:
+        try:
+            ranks = run_distributed(train_many, world, args=([run], ), env=env, fork_server=True)
+        except Exception as exc:  # the job's own failure: DeepSpeed raised, or the ranks parted
+            # The traceback's last line: what DeepSpeed raised, or how the ranks parted.
+            last = (str(exc).strip().splitlines() or [""])[-1]
+            ranks = [{run[0]: f"{type(exc).__name__}: {last}"[:300]} for _ in range(world)]
+        for rank in range(world):
+            found[rank].update(ranks[rank])
+    return found
+
+
 def _same(a: Any, b: Any) -> bool:
     if torch.is_tensor(a):
         return torch.equal(a, b) or bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
@@ -124,7 +143,14 @@ def _same(a: Any, b: Any) -> bool:
 
 def differences(found: List[Dict[str, Any]], expected: List[Dict[str, Any]]) -> List[str]:
     """What differs, bit for bit, between two :func:`train` results: ``"after step 2: master"`` and the like (the
-    first snapshot is ``before the steps``); empty when they are the same."""
+    first snapshot is ``before the steps``); empty when they are the same. A side that is :func:`train_each`'s error
+    is a difference."""
+    failed = [
+        f"{side} failed: {result}" for side, result in (("found", found), ("expected", expected))
+        if isinstance(result, str)
+    ]
+    if failed:
+        return failed
     problems = []
     for n, (a, b) in enumerate(zip(found, expected)):
         when = "before the steps" if n == 0 else f"after step {n - 1}"
@@ -136,7 +162,10 @@ def differences(found: List[Dict[str, Any]], expected: List[Dict[str, Any]]) -> 
 
 def skip_problems(found: List[Dict[str, Any]]) -> List[str]:
     """How the faulty step of one :func:`train` result is not a skip: a change to the parameters, master weights or
-    optimizer state, a step not counted as skipped, a non-finite value later, or a later step that learned nothing."""
+    optimizer state, a step not counted as skipped, a non-finite value later, or a later step that learned nothing; or
+    the job's failure, where ``found`` is :func:`train_each`'s error."""
+    if isinstance(found, str):
+        return [f"the job failed: {found}"]
     problems = []
     before, at = found[outcomes.FAULT_STEP], found[outcomes.FAULT_STEP + 1]
     problems += [
@@ -178,3 +207,27 @@ def step_host_syncs(cell: outcomes.Cell, tensors: int) -> Dict[str, int]:
             if counting:
                 found = {"backward": backward.total, "step": stepped.total}
     return found
+
+
+def step_syncs_by_size(cells: List[outcomes.Cell], sizes: Tuple[int, ...]) -> Dict[str, Dict[str, int]]:
+    """:func:`step_host_syncs` of each cell at each number of tensors, by ``"<cell>-<tensors>"``, on this rank."""
+    return {f"{cell.name}-{n}": step_host_syncs(cell, n) for cell in cells for n in sizes}
+
+
+def added_read_problems(found: Dict[str, Dict[str, int]], without: Dict[str, Dict[str, int]],
+                        cells: List[outcomes.Cell], sizes: Tuple[int, ...]) -> List[str]:
+    """How a fix that may add one host read per step breaks that promise, from :func:`step_syncs_by_size` with the
+    fix (``found``) and without it: a step whose syncs differ between the sizes, a backward whose syncs the fix
+    changed, or a step with more than one sync more (or fewer) than without the fix. Empty when it keeps it."""
+    problems = []
+    for cell in cells:
+        steps = [found[f"{cell.name}-{n}"]["step"] for n in sizes]
+        if len(set(steps)) != 1:
+            problems.append(f"{cell.name}: the step's host syncs grow with the tensors: {dict(zip(sizes, steps))}")
+        for n in sizes:
+            key = f"{cell.name}-{n}"
+            if found[key]["backward"] != without[key]["backward"]:
+                problems.append(f"{key}: backward {without[key]['backward']} -> {found[key]['backward']}")
+            if not without[key]["step"] <= found[key]["step"] <= without[key]["step"] + 1:
+                problems.append(f"{key}: step {without[key]['step']} -> {found[key]['step']}")
+    return problems

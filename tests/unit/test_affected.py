@@ -14,6 +14,7 @@ import os
 import pytest
 
 from deepspeed_offload_patch.affected import findings, read_job
+from deepspeed_offload_patch.changes import by_name
 from deepspeed_offload_patch.patcher import PatchStatus
 from unit.common import run_command
 from unit.test_cli import CLI
@@ -43,13 +44,17 @@ def _status(state="applied",
             version="0.19.8",
             grad_accumulation="not-needed",
             several_backwards="not-needed",
-            zero3_overflow="not-needed"):
+            zero3_overflow="not-needed",
+            invalid_norm="not-needed",
+            rank_agreement="not-needed"):
     return PatchStatus(state, version, "", {}, {
         "grad-norm": (grad_norm, ""),
         "skipped-step": (skipped_step, ""),
         "grad-accumulation": (grad_accumulation, ""),
         "several-backwards": (several_backwards, ""),
-        "zero3-overflow": (zero3_overflow, "")
+        "zero3-overflow": (zero3_overflow, ""),
+        "invalid-norm": (invalid_norm, ""),
+        "rank-agreement": (rank_agreement, "")
     })
 
 
@@ -64,6 +69,8 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
         "step-reads": ("yes", "yes"),
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
+        "invalid-norm": ("no", "-"),
+        "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
     }
     # Unpatched, or with the skipped-step fix off, the defects stay.
@@ -97,6 +104,8 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
         "step-reads": ("yes", "yes"),
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
+        "invalid-norm": ("no", "-"),
+        "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
     }
     assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
@@ -188,3 +197,19 @@ def test_an_unreadable_config_exits_2(tmp_path):
     bad.write_text("{not json")
     result = run_command(CLI + ["affected", str(bad)])
     assert result.returncode == 2 and "cannot read" in result.stdout, result
+
+
+def test_an_offloaded_zero_1_2_job_in_fp32_meets_the_invalid_norm_where_the_release_has_it():
+    """fp32 steps are never checked: on 0.14.0 - 0.19.7 one inf crashes step() or makes the master weights NaN, fixed
+    where the invalid-norm fix is applied; bf16 depends on the release (a maybe); fp16 checks every step; 0.19.8 skips
+    such a step itself (``not-needed``)."""
+    old = dict(version="0.17.6", skipped_step="not-needed", invalid_norm="applied")
+    fp32 = _config(UPSTREAM, bf16__enabled=False)
+    assert _verdicts(fp32, _status(**old))["invalid-norm"] == ("yes", "yes")
+    assert _verdicts(fp32, _status(**dict(old, invalid_norm="off")))["invalid-norm"] == ("yes", "no")
+    assert _verdicts(fp32, _status())["invalid-norm"][0] == "no"  # 0.19.8: not-needed
+    assert _verdicts(_config(UPSTREAM), _status(**old))["invalid-norm"] == ("maybe", "yes")
+    check_off = read_job(_config(UPSTREAM, bf16__check_grad_overflow=False))
+    assert "leaves that opt-out" in by_name("invalid-norm").affects(check_off)[1]
+    fp16 = _config(UPSTREAM, bf16__enabled=False, fp16__enabled=True)
+    assert _verdicts(fp16, _status(**old))["invalid-norm"][0] == "no"

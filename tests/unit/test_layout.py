@@ -16,16 +16,17 @@ FLOORS = {
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
         "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods",
-        "changes.zero3_overflow.methods"),
+        "changes.zero3_overflow.methods", "changes.invalid_norm.methods", "changes.rank_agreement.methods"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
-    # after); the behavioural probes of the changes that have one.
+    # after); the behavioural probes of the changes that have one; the line said for a skipped step.
     1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
         "changes.grad_accumulation.probe", "changes.several_backwards.probe", "changes.zero3_overflow.probe",
-        "audit.counts"),
+        "changes.invalid_norm.probe", "changes.rank_agreement.probe", "audit.counts", "skip_log"),
     2: ("changes.record", ),  # what a change declares
     3: ("guard", ),  # the decision whether to patch, given a change
     4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step", "changes.grad_accumulation",
-        "changes.several_backwards", "changes.zero3_overflow"),  # one record each
+        "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm",
+        "changes.rank_agreement"),  # one record each
     5: ("changes", ),  # the registry
     6: ("patch_status", "replacements"),  # what status() reports; what a change installs on a class
     7: ("patcher", ),  # applies and reverts, keeps the status

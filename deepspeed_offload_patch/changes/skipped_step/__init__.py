@@ -46,14 +46,9 @@ def decide(change: Change, cls: type, version: str) -> guard.Decision:
         name: found,
         witness: guard.PATCHABLE if step_known else (guard.MISMATCH if step is not None else guard.MISSING)
     }
-    if found == guard.OURS:
-        return guard.Decision(State.APPLIED, f"DeepSpeed {version}: already applied", methods)
-    if found == guard.FOREIGN:
-        return guard.Decision(
-            State.CONFLICT, f"{cls.__name__}.{name} already replaced by another patch (now "
-            f"{guard.owner(cls.__dict__[name])})", methods)
-    if found == guard.FIXED:
-        return guard.Decision(State.UPSTREAM_FIXED, f"DeepSpeed {version}: {name} is already the fixed form", methods)
+    decision = guard.settled(found, cls, name, version, methods)
+    if decision is not None:
+        return decision
     if found == guard.PATCHABLE and step_known:
         releases = guard.releases_shipping({change.key(witness): step})
         shape = (
