@@ -74,12 +74,15 @@ def when_imported(name: str,
     """Call ``callback(module)`` once ``name`` is imported: now if it already is, else right after its import.
 
     The callback runs once. If the module fails to import, ``on_error(exception)`` runs, the importer gets the
-    exception unchanged, and the hook stays for a later try.
+    exception unchanged, and the hook stays for a later try. Several callbacks may wait for one module (the patch and
+    ``audit`` both wait for DeepSpeed's engine): each runs; the same callback twice is one hook.
     """
     with _lock:
         module = sys.modules.get(name)
         if module is None:
-            if not any(isinstance(f, _PostImportFinder) and f.name == name for f in sys.meta_path):
+            if not any(
+                    isinstance(f, _PostImportFinder) and f.name == name and f.callback == callback
+                    for f in sys.meta_path):
                 sys.meta_path.insert(0, _PostImportFinder(name, callback, on_error))
             return
     callback(module)
@@ -91,7 +94,10 @@ def remove(finder: _PostImportFinder) -> None:
             sys.meta_path.remove(finder)
 
 
-def cancel(name: str) -> None:
-    """Remove a hook that has not fired yet."""
+def cancel(name: str, callback: Optional[Callable[[ModuleType], None]] = None) -> None:
+    """Remove the hooks for ``name`` that have not fired yet: the one of ``callback``, or every one."""
     with _lock:
-        sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _PostImportFinder) and f.name == name)]
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if not (
+                isinstance(f, _PostImportFinder) and f.name == name and (callback is None or f.callback == callback))
+        ]

@@ -318,7 +318,7 @@ def revert() -> PatchStatus:
         pending = [change.name for change in OTHERS if _status.of(change)[0] == State.PENDING]
         for target in targets():
             import_hook.cancel(target.module)
-        import_hook.cancel(skip_log.MODULE)
+        import_hook.cancel(skip_log.MODULE, skip_log.install)
         skip_log.uninstall()
         if not _applied:
             cancelled = (State.REVERTED, "the pending patch was cancelled")

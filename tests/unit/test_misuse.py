@@ -180,3 +180,26 @@ def test_the_import_hook_passes_a_failing_import_through_and_waits_for_a_good_on
     """)
     result = run_command([sys.executable, "-c", code, str(module)], env={"PYTHONPATH": str(tmp_path)})
     assert "ok" in assert_ok(result)
+
+
+def test_two_callbacks_that_wait_for_one_module_both_run_and_cancel_removes_only_its_own(tmp_path):
+    """The patch's skip log and ``audit`` both wait for DeepSpeed's engine module: each callback runs once, in a fresh
+    interpreter; the same callback registered twice is one hook; cancelling one callback leaves the other."""
+    (tmp_path / "shared_target.py").write_text("VALUE = 1\n")
+    (tmp_path / "other_target.py").write_text("VALUE = 2\n")
+    code = textwrap.dedent("""
+        from deepspeed_offload_patch import import_hook
+        first, second, cancelled = [], [], []
+        import_hook.when_imported("shared_target", first.append)
+        import_hook.when_imported("shared_target", first.append)
+        import_hook.when_imported("shared_target", second.append)
+        import_hook.when_imported("other_target", cancelled.append)
+        import_hook.when_imported("other_target", second.append)
+        import_hook.cancel("other_target", cancelled.append)
+        import shared_target, other_target
+        assert first == [shared_target] and second == [shared_target, other_target], (first, second)
+        assert cancelled == [], cancelled
+        print("ok")
+    """)
+    result = run_command([sys.executable, "-c", code], env={"PYTHONPATH": str(tmp_path)})
+    assert "ok" in assert_ok(result)
