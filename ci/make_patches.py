@@ -1,12 +1,12 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 """Write ``patches/``: each change as unified diffs of its class's file (``deepspeed/runtime/zero/stage_1_and_2.py``,
-``stage3.py``), one per form.
+``stage3.py``, ``precision_config.py``), one per form.
 
 For each change of ``deepspeed_offload_patch.changes`` (in ``patches/<its name>/``) and each supported release of its
 forms, it replaces the change's methods in the release's own file (from its sdist) with this package's replacements
-for that form, and diffs. Consecutive releases share a diff when the first one's diff
-applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
+for that form (or, for a change that sets a default, writes the new default), and diffs. Consecutive releases share a
+diff when the first one's diff applies to them with ``git apply`` and gives exactly their patched file. It writes the diffs, ``index.json``
 (release -> diff) and ``README.md``. ``--check`` writes nothing and exits 1 when ``patches/`` differs from what the
 sources give, when a diff does not apply to one of its releases, when a patched file's methods are not equal
 (AST) to the package's replacements, or when they use a global name that the release's module does not define (the
@@ -74,8 +74,29 @@ def replace_methods(source: str, texts: dict, class_name: str = UPSTREAM.target.
     return "".join(lines)
 
 
+def default_node(source: str, change) -> ast.expr:
+    """The default value's node of the field that ``change`` (one with a ``default``) sets, in its class in
+    ``source``."""
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == change.target.name)
+    return next(
+        n.value for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == change.default.field)
+
+
+def with_default(source: str, change) -> str:
+    """``source`` with the default of ``change``'s field written as ``change.default.value``."""
+    node = default_node(source, change)
+    lines = source.splitlines(keepends=True)
+    line = lines[node.lineno - 1]
+    lines[node.lineno - 1] = line[:node.col_offset] + repr(change.default.value) + line[node.end_col_offset:]
+    return "".join(lines)
+
+
 def patched(source: str, change, version: str) -> str:
-    """``source`` (release ``version``'s file of ``change``'s class) with ``change``'s methods replaced."""
+    """``source`` (release ``version``'s file of ``change``'s class) with ``change``'s methods replaced (or its
+    default set)."""
+    if change.default is not None:
+        return with_default(source, change)
     chosen = replacements_for(source, change, version)
     return replace_methods(source, {
         name: method_text(name, func)
@@ -208,13 +229,17 @@ def build(sdists: str, change):
 
 
 def releases_of(change) -> list:
-    """The supported releases that have one of ``change``'s forms."""
-    return [v for v in PATCHED_RELEASES if change.form_of(v) is not None]
+    """The supported releases that have one of ``change``'s forms (or its unfixed default)."""
+    return [v for v in PATCHED_RELEASES if change.covers(v)]
 
 
 def _forms_text(change) -> str:
     """```a` and `b` in 0.17.1 – 0.19.8; ...``: the methods of each form and their releases, newest first (forms
-    with the same methods, which differ in their code, read as one range)."""
+    with the same methods, which differ in their code, read as one range); for a default, the field's."""
+    if change.default is not None:
+        versions = releases_of(change)
+        return (f"`{change.target.name}.{change.default.field}`'s default ({change.default.unfixed!r} in "
+                f"{versions[0]} – {versions[-1]}, {change.default.value!r} with the diff)")
     releases = {}
     for version in PATCHED_RELEASES:
         form = change.form_of(version)
@@ -294,6 +319,10 @@ def main() -> int:
             after = git_apply(diffs[name], original, change.target.path)
             if after is None:
                 problems.append(f"{name} does not apply to {version}")
+            elif change.default is not None:
+                if ast.literal_eval(default_node(after, change)) != change.default.value:
+                    problems.append(f"{name} on {version}: {change.default.field} does not default to "
+                                    f"{change.default.value!r}")
             elif not methods_equal_replacements(original, after, change, version):
                 problems.append(f"{name} on {version}: the patched methods differ from the package's replacements")
             else:

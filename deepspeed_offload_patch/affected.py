@@ -32,14 +32,17 @@ class Job:
     stage: Union[int, str]
     offload: Optional[str]  # offload_optimizer's device, None without it
     precision: str  # bf16, fp16, fp32 or auto
-    check_grad_overflow: Union[bool, str]  # bf16's switch (True by default); fp16 always checks, fp32 never
+    # bf16's switch; None where the config leaves it to DeepSpeed's default (off on 0.17.1 - 0.19.2, on from 0.19.3);
+    # fp16 always checks, fp32 never.
+    check_grad_overflow: Union[bool, str, None]
     grad_accum_dtype: Optional[str]
     grad_accum: Union[int, str] = 1  # gradient_accumulation_steps (1 by default)
 
     def text(self) -> str:
         check = ""
         if self.precision in ("bf16", AUTO):
-            check = f" (check_grad_overflow {_word(self.check_grad_overflow, 'on', 'off')})"
+            value = self.check_grad_overflow
+            check = f" (check_grad_overflow {'unset' if value is None else _word(value, 'on', 'off')})"
         return (f"ZeRO-{self.stage}, offload_optimizer {self.offload or 'none'}, {self.precision}{check}, "
                 f"grad_accum_dtype {self.grad_accum_dtype or 'as the precision'}, gradient_accumulation_steps "
                 f"{self.grad_accum}")
@@ -92,14 +95,14 @@ def read_job(config: Dict[str, Any]) -> Job:
         precision = AUTO
     else:
         precision = "fp32"
-    check = bf16.get("check_grad_overflow", True) if isinstance(bf16, dict) else True
+    check = bf16.get("check_grad_overflow") if isinstance(bf16, dict) else None
     data_types = config.get("data_types") or {}
     accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
     steps = config.get("gradient_accumulation_steps", 1)
     return Job(stage=stage,
                offload=device if device not in (None, "none") else None,
                precision=precision,
-               check_grad_overflow=AUTO if check == AUTO else bool(check),
+               check_grad_overflow=check if check in (AUTO, None) else bool(check),
                grad_accum_dtype=accum,
                grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1)
 

@@ -5,6 +5,7 @@
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
@@ -91,3 +92,17 @@ def deepspeed_installed() -> bool:
         return importlib.util.find_spec("deepspeed") is not None
     except (ImportError, ValueError):  # ValueError: a None or spec-less entry in sys.modules
         return False
+
+
+def deepspeed_lacks(module: str) -> bool:
+    """Whether the installed DeepSpeed has no module ``module`` (a ``deepspeed.`` dotted name), found by looking at
+    its package folder, without importing DeepSpeed. False when DeepSpeed is not installed or has no folder."""
+    try:
+        spec = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return False
+    folders = list(spec.submodule_search_locations or ()) if spec else []
+    parts = module.split(".")[1:]
+    return bool(folders) and not any(
+        os.path.isfile(os.path.join(folder, *parts) + ".py") or os.path.isdir(os.path.join(folder, *parts))
+        for folder in folders)

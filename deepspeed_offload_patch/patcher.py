@@ -2,13 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Applies and reverts the patch: the registry of originals, the lazy hooks, the state that ``status()`` reports.
 
-Each change names the class it replaces methods of (:class:`~deepspeed_offload_patch.changes.record.Target`); the
-patcher hooks each target's module and applies, as that module is imported, the changes that target it. The upstream
-change's class (ZeRO-1/2's) gives ``status()``'s ``state``; a change on another class (ZeRO-3's) keeps its own state in
-``status().changes`` and stays ``pending`` until its module is imported.
+Each change names the class it replaces methods of, or sets a config default of
+(:class:`~deepspeed_offload_patch.changes.record.Target`); the patcher hooks each target's module and applies, as that
+module is imported, the changes that target it. The upstream change's class (ZeRO-1/2's) gives ``status()``'s
+``state``; a change on another class (ZeRO-3's, the bf16 config's) keeps its own state in ``status().changes`` and
+stays ``pending`` until its module is imported.
 """
 
-import gc
 import importlib
 import sys
 import threading
@@ -18,16 +18,19 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 from deepspeed_offload_patch import import_hook, settings, skip_log
 from deepspeed_offload_patch.changes import CHANGES, OTHERS, UPSTREAM, by_name, targets
 from deepspeed_offload_patch.changes.record import Change, Target
+from deepspeed_offload_patch.guard import version_refused
 from deepspeed_offload_patch.log import info_once, warn_once
 # AppliedPatch: re-exported (patcher.AppliedPatch).
 from deepspeed_offload_patch.replacements import (
     AppliedPatch,
     as_decorated,
+    settle_live_flags,
     subclasses,
     warn_if_overriding,  # noqa: F401
     watch_subclasses)
 # PatchStatus and deepspeed_version: re-exported (deepspeed_offload_patch.PatchStatus; patcher.deepspeed_version).
-from deepspeed_offload_patch.patch_status import PatchStatus, deepspeed_installed, deepspeed_version  # noqa: F401
+from deepspeed_offload_patch.patch_status import (  # noqa: F401
+    PatchStatus, deepspeed_installed, deepspeed_lacks, deepspeed_version)
 # GOOD_STATES: re-exported by the package (deepspeed_offload_patch.GOOD_STATES).
 from deepspeed_offload_patch.states import GOOD_STATES, State  # noqa: F401
 
@@ -61,12 +64,15 @@ def _set(state: State,
 
 def _log_or_raise(what: str, state: State, reason: str, strict: bool) -> None:
     """Log the outcome of one change: INFO when applied or not needed, one WARNING when it cannot apply (unsupported,
-    conflict); nothing for other states. Raises PatchError instead of that WARNING when ``strict``."""
+    conflict; a release that every change refuses is said once, for the patch); nothing for other states. Raises
+    PatchError instead of that WARNING when ``strict``."""
     if state == State.APPLIED:
         info_once(f"{what}: applied: {reason}")
     elif state in (State.UPSTREAM_FIXED, State.NOT_NEEDED):
         info_once(f"{what}: not needed: {reason}")
     elif state in (State.UNSUPPORTED, State.CONFLICT):
+        if reason == version_refused(deepspeed_version() or "unknown"):
+            what = "the patch"  # every change refuses this release: one line, whichever module is imported first
         message = f"{what} not applied ({state}): {reason}; DeepSpeed is left unchanged"
         if strict:
             raise PatchError(message)
@@ -85,9 +91,10 @@ def _apply_change(cls: type, change: Change):
         _applied[change.name] = record
         for name, replacement in record.replacements.items():
             setattr(cls, name, replacement)
-        for sub in subclasses(cls):
-            warn_if_overriding(sub, _applied.values())
-        record.subclass_watch = watch_subclasses(cls, _applied.values)
+        if change.default is None:  # a default has no method for a subclass to override
+            for sub in subclasses(cls):
+                warn_if_overriding(sub, _applied.values())
+            record.subclass_watch = watch_subclasses(cls, _applied.values)
     return decision
 
 
@@ -156,19 +163,7 @@ def _restore() -> None:
     _applied.clear()
     cls = _loaded_class(UPSTREAM.target)
     if cls is not None:
-        _settle_live_flags(cls)
-
-
-def _settle_live_flags(cls: type) -> None:
-    """Turn a device flag that the patched tracker left in a live optimizer into the Python bool that DeepSpeed's
-    own methods keep there (one host read per optimizer, once). Optimizers are found through the garbage collector,
-    which tracks every instance: revert is rare, and the patch keeps no references to them."""
-    import torch
-
-    for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance reads __class__, which some lazy module objects warn about.
-        if issubclass(type(obj), cls) and torch.is_tensor(vars(obj).get("local_overflow")):
-            obj.local_overflow = bool(obj.local_overflow)
+        settle_live_flags(cls)
 
 
 def _target_failed(exc: BaseException, target: Target = UPSTREAM.target) -> PatchStatus:
@@ -241,15 +236,24 @@ def patch_on_import() -> PatchStatus:
         return _status
 
 
+def _before_import(change: Change, on: bool) -> tuple:
+    """The state of a change on a class other than the upstream one before its module is imported: its ``off`` when
+    not ``on``, ``not-needed`` where this DeepSpeed has no such module (an optional one), else ``pending``."""
+    if not on:
+        return _left_out(change)
+    if change.target.optional and deepspeed_lacks(change.target.module):
+        return (State.NOT_NEEDED, f"DeepSpeed {deepspeed_version()} has no {change.target.module}: nothing of "
+                f"{change.title} to change")
+    return (State.PENDING, f"waiting for {change.target.module} to be imported")
+
+
 def _pend_other_targets() -> None:
-    """Give each switched-on change on a class other than the upstream one the state ``pending`` until its module is
-    imported (its own hook decides then), and each switched-off one its ``off``."""
+    """Give each change on a class other than the upstream one whose module is not imported yet its state
+    (:func:`_before_import`): its own hook decides when the module is imported."""
     on = _switched_on()
     _set(
         _status.state, _status.reason, _status.methods, {
-            change.name:
-            (State.PENDING,
-             f"waiting for {change.target.module} to be imported") if on[change.name] else _left_out(change)
+            change.name: _before_import(change, on[change.name])
             for change in OTHERS if change.target != UPSTREAM.target and change.target.module not in sys.modules
         })
 
@@ -286,6 +290,12 @@ def apply(changes: Optional[Mapping[str, bool]] = None) -> PatchStatus:
     on = {**_switched_on(), **(changes or {})}
     status = _status
     for target in targets():
+        if target.optional and deepspeed_lacks(target.module):
+            with _lock:
+                status = _set(_status.state, _status.reason, _status.methods,
+                              {c.name: _before_import(c, on[c.name])
+                               for c in OTHERS if c.target == target})
+            continue
         # Imported outside the lock: the import takes Python's module lock, and the lazy hook, which may run inside
         # that import on this or another thread, takes ours.
         try:
@@ -340,8 +350,12 @@ def is_applied() -> bool:
 
 
 def _still_applied(change: Change) -> bool:
-    """Whether ``change``'s methods, in the loaded class's form, are all still its replacements."""
+    """Whether ``change``'s methods, in the loaded class's form, are all still its replacements (for a change that
+    sets a default: the attributes that carry it)."""
     cls = _loaded_class(change.target)
+    if change.default is not None:
+        record = _applied.get(change.name)
+        return record is not None and record.cls is cls and all(record.ours(name) for name in record.replacements)
     return cls is not None and all(_still_ours(change, name) for name in change.form_for(cls).methods)
 
 
@@ -356,10 +370,10 @@ def status() -> PatchStatus:
             current.reason = f"{TARGET_CLASS} methods were replaced by someone else after the patch applied"
         for change in OTHERS:
             if current.of(change)[0] == State.APPLIED and not _still_applied(change):
-                current.changes[change.name] = (
-                    State.CONFLICT,
-                    f"{change.target.name}.{', '.join(change.form_for(_loaded_class(change.target)).methods)} "
-                    "was replaced by someone else after the patch applied")
+                methods = () if change.default else change.form_for(_loaded_class(change.target)).methods
+                what = f"{change.default.field}'s default" if change.default else ", ".join(methods)
+                current.changes[change.name] = (State.CONFLICT, f"{change.target.name}.{what} was replaced by someone "
+                                                "else after the patch applied")
         return current
 
 
@@ -374,7 +388,7 @@ def originals() -> Dict[str, Callable]:
     with _lock:
         return {
             by_name(record.change).key(name): original
-            for record in _applied.values()
+            for record in _applied.values() if by_name(record.change).default is None
             for name, original in record.originals.items()
         }
 

@@ -3,6 +3,7 @@
 """What one change installs on a DeepSpeed class: the record of its originals and replacements, the replacement as
 DeepSpeed decorates its own method, and the watch for subclasses that override a replaced method."""
 
+import gc
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -70,3 +71,15 @@ def watch_subclasses(cls: type, records: Callable[[], Iterable[AppliedPatch]]) -
 
     cls.__init_subclass__ = classmethod(__init_subclass__)
     return cls.__dict__["__init_subclass__"]
+
+
+def settle_live_flags(cls: type) -> None:
+    """Turn a device flag that the patched tracker left in a live optimizer of ``cls`` into the Python bool that
+    DeepSpeed's own methods keep there (one host read per optimizer, once). Optimizers are found through the garbage
+    collector, which tracks every instance: revert is rare, and the patch keeps no references to them."""
+    import torch
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some lazy module objects warn about.
+        if issubclass(type(obj), cls) and torch.is_tensor(vars(obj).get("local_overflow")):
+            obj.local_overflow = bool(obj.local_overflow)

@@ -10,7 +10,8 @@ parameters unchanged. Then each change that is neither ``not-needed`` nor ``off`
 (:data:`CHECKS`): ``step-after-a-skip``, a second engine with ``grad_accum_dtype: fp32`` that gets a NaN at one step
 and must skip it and update the parameters at the next; ``every-micro-batch`` and ``every-backward``, ZeRO-2 jobs of
 3 micro-steps and of 2 backwards per step whose gradient norms and parameters must be what plain PyTorch computes
-(:mod:`deepspeed_offload_patch.testing.oracle`). Returns 0 when all hold, 1 otherwise.
+(:mod:`deepspeed_offload_patch.testing.oracle`); ``check-left-out``, a bf16 engine whose config leaves out
+``check_grad_overflow``, which must skip a step with a NaN gradient. Returns 0 when all hold, 1 otherwise.
 """
 
 from typing import Any, Dict
@@ -73,30 +74,51 @@ def _verify_rank(steps: int) -> Dict[str, Any]:
     return report
 
 
+def _one_step(engine, step: int, nan: bool) -> None:
+    """One optimizer step of ``engine`` over ``GRAD_ACCUM`` micro-steps, with a NaN gradient in its first layer when
+    ``nan``."""
+    from deepspeed_offload_patch.testing.models import batch, optimizer_step
+
+    poisoned = engine.module.layers[0].weight
+    handle = poisoned.register_hook(lambda g: torch.full_like(g, float("nan"))) if nan else None
+    for micro in range(GRAD_ACCUM):
+        engine.backward(engine(batch(engine, 2000 + step * GRAD_ACCUM + micro)))
+        optimizer_step(engine)
+    if handle is not None:
+        handle.remove()
+
+
 def _step_after_a_skip(precision: str) -> Dict[str, bool]:
     """With fp32 gradient accumulation: a NaN at one step is skipped, and the next step updates the parameters."""
-    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
+    from deepspeed_offload_patch.testing.models import ds_config, make_engine, params_snapshot
 
     engine = make_engine(40,
                          config=ds_config(stage=2, dtype=precision, grad_accum=GRAD_ACCUM, grad_accum_dtype="fp32"))
-
-    def one_step(step: int, nan: bool) -> None:
-        poisoned = engine.module.layers[0].weight
-        handle = poisoned.register_hook(lambda g: torch.full_like(g, float("nan"))) if nan else None
-        for micro in range(GRAD_ACCUM):
-            engine.backward(engine(batch(engine, 2000 + step * GRAD_ACCUM + micro)))
-            optimizer_step(engine)
-        if handle is not None:
-            handle.remove()
-
-    one_step(0, nan=True)
+    _one_step(engine, 0, nan=True)
     skipped, before = engine.skipped_steps, params_snapshot(engine)
-    one_step(1, nan=False)
+    _one_step(engine, 1, nan=False)
     after = params_snapshot(engine)
     return {
         "nan_skipped": skipped == 1,
         "next_taken": engine.skipped_steps == skipped,
         "updated": any(not torch.equal(after[name], value) for name, value in before.items()),
+    }
+
+
+def _check_left_out(precision: str) -> Dict[str, bool]:
+    """bf16 whose config leaves ``check_grad_overflow`` out, as HF Trainer's and Accelerate's do: a NaN gradient
+    skips the step and leaves the parameters unchanged."""
+    from deepspeed_offload_patch.testing.models import ds_config, make_engine, params_snapshot
+
+    config = ds_config(stage=2, dtype="bf16", grad_accum=GRAD_ACCUM)
+    del config["bf16"]["check_grad_overflow"]
+    engine = make_engine(40, config=config)
+    before = params_snapshot(engine)
+    _one_step(engine, 0, nan=True)
+    after = params_snapshot(engine)
+    return {
+        "nan_skipped": engine.skipped_steps == 1,
+        "unchanged": all(torch.equal(after[name], value) for name, value in before.items()),
     }
 
 
@@ -131,6 +153,9 @@ CHECKS = {
     (_learns_like_pytorch(dict(grad_accum=3)),
      "with gradient_accumulation_steps 3, each step trains on all 3 micro-batches, as plain PyTorch does",
      "with gradient_accumulation_steps 3, the steps did not train on what plain PyTorch trains on"),
+    "check-left-out":
+    (_check_left_out, "a bf16 config that leaves out check_grad_overflow skips a step with a NaN gradient",
+     "a bf16 config that leaves out check_grad_overflow applied a step with a NaN gradient"),
     "every-backward":
     (_learns_like_pytorch(dict(backwards=2)),
      "with 2 backwards per step (set_gradient_accumulation_boundary), each step trains on both, as plain PyTorch does",

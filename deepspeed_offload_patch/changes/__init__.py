@@ -9,8 +9,8 @@ Order is the order ``status`` and ``check`` report them in; the first is the ups
 
 from typing import Tuple
 
-from deepspeed_offload_patch.changes import (grad_accumulation, grad_norm, invalid_norm, overflow_flag, rank_agreement,
-                                             several_backwards, skipped_step, zero3_overflow)
+from deepspeed_offload_patch.changes import (bf16_check, grad_accumulation, grad_norm, invalid_norm, overflow_flag,
+                                             rank_agreement, several_backwards, skipped_step, zero3_overflow)
 from deepspeed_offload_patch.changes.record import Change, Target
 
 CHANGES: Tuple[Change, ...] = (
@@ -20,6 +20,7 @@ CHANGES: Tuple[Change, ...] = (
     grad_accumulation.CHANGE,
     several_backwards.CHANGE,
     invalid_norm.CHANGE,
+    bf16_check.CHANGE,
     rank_agreement.CHANGE,
     zero3_overflow.CHANGE,
 )
@@ -44,5 +45,5 @@ def all_methods() -> Tuple[str, ...]:
 
 
 def targets() -> Tuple[Target, ...]:
-    """The classes the changes replace methods of, ZeRO-1/2's first."""
+    """The classes the changes replace methods (or set a default) of, ZeRO-1/2's first."""
     return tuple(dict.fromkeys(change.target for change in CHANGES))

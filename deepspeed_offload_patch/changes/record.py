@@ -18,12 +18,14 @@ from deepspeed_offload_patch.states import State
 
 @dataclass(frozen=True)
 class Target:
-    """The DeepSpeed class a change replaces methods of: ``module`` (importable name), ``name`` (the class) and the
-    ZeRO ``stages`` it runs."""
+    """The DeepSpeed class a change replaces methods (or sets a default) of: ``module`` (importable name), ``name``
+    (the class) and the ZeRO ``stages`` it runs. ``optional``: releases without the module exist (older ones), and
+    there the changes on it have nothing to change (``not-needed``)."""
 
     module: str
     name: str
     stages: Tuple[int, ...]
+    optional: bool = False
 
     @property
     def stage_text(self) -> str:
@@ -84,6 +86,24 @@ class Form:
 
 
 @dataclass(frozen=True)
+class Default:
+    """A config default that a change sets instead of replacing methods: the pydantic field ``field`` of its target
+    class (a DeepSpeed config model) defaults to ``value`` where DeepSpeed's default is ``unfixed``, on the releases
+    from ``first_release`` up to ``until`` (empty: every later one). A key the user's config sets keeps its value."""
+
+    field: str
+    value: Any
+    unfixed: Any
+    first_release: str
+    until: str = ""
+
+    @property
+    def releases(self) -> str:
+        """The releases whose default is ``unfixed``, as a version specifier."""
+        return f">={self.first_release}" + (f",<{self.until}" if self.until else "")
+
+
+@dataclass(frozen=True)
 class Change:
     """One change to a DeepSpeed optimizer class, as the package applies, reports, gates and diffs it.
 
@@ -105,9 +125,12 @@ class Change:
     * ``verify_checks``: the behavioural checks of ``ds-offload-patch verify`` (by their names there) that prove it,
       run where it is in a state other than ``not-needed`` or ``off``.
     * ``target``: the class whose methods it replaces (:data:`ZERO_1_2` unless it says otherwise).
+    * ``default``: set (with no ``forms``) for a change that sets a config default (:class:`Default`) of its target
+      class instead of replacing methods; its ``decide`` computes the class attributes that carry the new default.
     * ``corrects_training``: where it applies, it changes what a job learns on purpose (DeepSpeed trains on the wrong
-      gradient there): the equivalence harness then compares the patched runs that reach its defect with unpatched
-      DeepSpeed plus this change alone (``testing.equivalence.TRAINING_FIXED``), and the oracle proves the change.
+      gradient there, or applies a step with an inf/NaN): the equivalence harness then compares the patched runs that
+      reach its defect with unpatched DeepSpeed plus the changes that correct training
+      (``testing.equivalence.TRAINING_FIXED``), and the change's own tests prove it against an independent oracle.
     """
 
     name: str
@@ -128,6 +151,7 @@ class Change:
     verify_checks: Tuple[str, ...] = ()
     corrects_training: bool = False
     target: Target = ZERO_1_2
+    default: Optional[Default] = None
 
     @property
     def switch(self) -> Optional[str]:
@@ -137,7 +161,7 @@ class Change:
 
     @property
     def first_release(self) -> str:
-        return self.forms[0].first_release
+        return self.forms[0].first_release if self.forms else self.default.first_release
 
     @property
     def method_names(self) -> Tuple[str, ...]:
@@ -165,6 +189,13 @@ class Change:
         from packaging.specifiers import SpecifierSet
         return next((form for form in self.forms if SpecifierSet(form.releases).contains(release, prereleases=True)),
                     None)
+
+    def covers(self, release: str) -> bool:
+        """Whether release ``release`` has the defect in one of the forms (or the default) this change knows."""
+        from packaging.specifiers import SpecifierSet
+        if self.default is not None:
+            return SpecifierSet(self.default.releases).contains(release, prereleases=True)
+        return self.form_of(release) is not None
 
     def form_for(self, cls: type) -> Form:
         """The form that goes with ``cls``: the one whose tracker ``cls`` defines (the newest when it defines none,

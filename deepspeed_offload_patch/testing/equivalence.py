@@ -30,7 +30,7 @@ from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.changes import OTHERS
 from deepspeed_offload_patch.hostsync import count_host_syncs
 from deepspeed_offload_patch.states import State
-from deepspeed_offload_patch.testing.installed import flag_is_read, per_param_tracker
+from deepspeed_offload_patch.testing.installed import flag_is_read, has_defect, per_param_tracker
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
 from deepspeed_offload_patch.testing.models import (ManyLinear, ModelParallelGroups, SometimesUnused, WithExperts,
                                                     batch, ds_config, make_engine, optimizer_step)
@@ -39,8 +39,8 @@ __all__ = [
     "BUFFER_OFF", "CLEARED_AFTER_SKIP", "CURRENT", "PATCHED", "UNPATCHED", "UPSTREAM_ONLY", "Fault", "Run",
     "backward_to_boundary", "bad_gradients_survive", "boundary_syncs", "differences", "fault_problems", "flag_is_read",
     "overflow_sticks", "invalid_norm_skips_step", "per_param_tracker", "poison_grad", "poison_plan",
-    "ranks_agree_on_overflow", "reference_side", "run_side", "TRAINING_FIXED", "set_full_grad_reaches_tracker",
-    "trace_runs", "zenflow_available"
+    "ranks_agree_on_overflow", "reference_side", "run_side", "skips_in", "TRAINING_FIXED", "training_fixes",
+    "set_full_grad_reaches_tracker", "trace_runs", "zenflow_available"
 ]
 
 PATCHED = "patched"
@@ -57,9 +57,10 @@ BUFFER_OFF = "unpatched-buffer-off"
 #: :data:`BUFFER_OFF` is a sound reference at ZeRO-1 only.
 CLEARED_AFTER_SKIP = "unpatched-cleared-after-skip"
 #: Unpatched DeepSpeed with only the changes that correct training installed by the harness (``corrects_training``:
-#: the accumulation fixes, where the release has their defects): the reference for the runs that reach those defects
-#: (ZeRO-2 over 3 or more micro-steps), whose bits the package changes on purpose there (the oracle,
-#: :mod:`deepspeed_offload_patch.testing.oracle`, proves them right). Where no such change applies it is unpatched
+#: the accumulation fixes and the invalid-norm fix, where the release has their defects): the reference for the runs
+#: that reach those defects (ZeRO-2 over 3 or more micro-steps; an fp32 fault), whose bits the package changes on
+#: purpose there (the oracle, :mod:`deepspeed_offload_patch.testing.oracle`, and the forced-skip reference of
+#: :mod:`deepspeed_offload_patch.testing.skips` prove them right). Where no such change applies it is unpatched
 #: DeepSpeed.
 TRAINING_FIXED = "unpatched-training-fixed"
 #: Only the upstream pull request's change (``DS_OFFLOAD_PATCH_UPSTREAM_ONLY=1``).
@@ -176,13 +177,20 @@ class Run:
 
     @property
     def skips_bad_steps(self) -> bool:
-        """Whether DeepSpeed skips a step with an inf/NaN gradient here, patched or not: fp16 does; bf16 with the
-        check on does where its flag is read (:func:`flag_is_read`); bf16 with it off does not (the bad values reach
-        the parameters); fp32 runs with the check off and skips only where :func:`invalid_norm_skips_step` (0.19.8
-        and later)."""
+        """Whether DeepSpeed itself skips a step with an inf/NaN gradient here: fp16 does; bf16 with the check on does
+        where its flag is read (:func:`flag_is_read`); bf16 with it off does not (the bad values reach the
+        parameters); fp32 runs with the check off and skips only where :func:`invalid_norm_skips_step` (0.19.8 and
+        later). Processes with the invalid-norm fix installed skip in fp32 too: :func:`skips_in` asks them."""
         if self.precision == "fp32" and not self.zenflow:
             return invalid_norm_skips_step()
         return self.precision in ("bf16", "fp16") and flag_is_read(self.precision)
+
+    @property
+    def unchecked(self) -> bool:
+        """Whether the run's steps get no overflow check from DeepSpeed, so that only an invalid gradient norm can
+        make them skip: fp32, and bf16 before 0.17.1 (which has no check to turn on). ZenFlow steps on its own."""
+        return not self.zenflow and (self.precision == "fp32" or
+                                     (self.precision.startswith("bf16") and per_param_tracker()))
 
     def config(self) -> Dict[str, Any]:
         config = ds_config(stage=self.stage,
@@ -232,16 +240,39 @@ def overflow_sticks(run: Run, result: Optional[Sequence[Dict[str, Any]]] = None)
             and rank.get("skipped_step") not in (State.APPLIED, State.UPSTREAM_FIXED))
 
 
+def training_fixes(run: Run) -> List[str]:
+    """The changes that correct training (``corrects_training``) which change ``run`` on the installed DeepSpeed,
+    by name: the accumulation fix at ZeRO-2 over 3 or more micro-steps where the release drops micro-batches; the
+    invalid-norm fix where an unchecked step (:attr:`Run.unchecked`) gets a bad gradient and DeepSpeed applies it
+    (NaN weights, 0.17.1 - 0.19.7; 0.14.0 - 0.17.0 crash there, so their runs inject no such fault)."""
+    found = []
+    if run.stage == 2 and run.grad_accum >= 3 and has_defect("grad-accumulation"):
+        found.append("grad-accumulation")
+    if run.faults and run.unchecked and has_defect("invalid-norm"):
+        found.append("invalid-norm")
+    return found
+
+
+def skips_in(run: Run, result: Sequence[Dict[str, Any]]) -> bool:
+    """Whether the processes of a :func:`run_side` ``result`` skip a step of ``run`` with an inf/NaN gradient:
+    DeepSpeed's own skip (:attr:`Run.skips_bad_steps`), or an unchecked step where those processes had the
+    invalid-norm fix installed (the patched side by default, :data:`TRAINING_FIXED`)."""
+    return run.skips_bad_steps or (run.unchecked and bool(result[0].get("unchecked_steps_skip")))
+
+
 def reference_side(run: Run) -> str:
     """The side that the patched processes must train ``run`` bit-identically to: :data:`UNPATCHED`, except where
     the skipped-step fix changes the run (a fault, and DeepSpeed keeping it in its compact buffer): there unpatched
-    DeepSpeed without that defect, :data:`BUFFER_OFF` at ZeRO-1 and :data:`CLEARED_AFTER_SKIP` at ZeRO-2; and at
-    ZeRO-2 over 3 or more micro-steps, :data:`TRAINING_FIXED`."""
+    DeepSpeed without that defect, :data:`BUFFER_OFF` at ZeRO-1 and :data:`CLEARED_AFTER_SKIP` at ZeRO-2; and where a
+    change that corrects training reaches the run (:func:`training_fixes`; at ZeRO-2 over 3 or more micro-steps
+    always), :data:`TRAINING_FIXED`."""
     if run.faults and overflow_sticks(run):
         return BUFFER_OFF if run.stage == 1 else CLEARED_AFTER_SKIP
     # ZeRO-2 accumulating over 3 or more micro-steps: where DeepSpeed drops the ones between (0.15.2 - 0.18.x), the
     # package's fix changes the bits on purpose; elsewhere TRAINING_FIXED trains as UNPATCHED does.
-    return TRAINING_FIXED if run.stage == 2 and run.grad_accum >= 3 else UNPATCHED
+    if (run.stage == 2 and run.grad_accum >= 3) or training_fixes(run):
+        return TRAINING_FIXED
+    return UNPATCHED
 
 
 def invalid_norm_skips_step() -> bool:
@@ -519,18 +550,37 @@ def method_origins() -> Dict[str, str]:
 
 
 def _fix_training_only() -> None:
-    """Install, on DeepSpeed's own class, the replacements of the changes that correct training, where their guard
+    """Install, on DeepSpeed's own classes, the replacements of the changes that correct training, where their guard
     would apply them (the package itself disabled): :data:`TRAINING_FIXED`'s DeepSpeed."""
+    import importlib
+
     import deepspeed
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from deepspeed_offload_patch.changes import CHANGES
 
     for change in CHANGES:
         if change.corrects_training:
-            decision = change.decide(change, DeepSpeedZeroOptimizer, deepspeed.__version__)
+            cls = getattr(importlib.import_module(change.target.module), change.target.name)
+            decision = change.decide(change, cls, deepspeed.__version__)
             for name, function in decision.replacements.items():
-                setattr(DeepSpeedZeroOptimizer, name, function)
+                setattr(cls, name, function)
+
+
+def _unchecked_steps_skip() -> bool:
+    """Whether this process skips an offloaded step that no overflow check looked at when its gradient norm is
+    invalid: DeepSpeed's own (0.19.8), or the invalid-norm fix's methods installed on DeepSpeed's class (by the
+    package or by :func:`_fix_training_only`)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from deepspeed_offload_patch.changes import by_name
+
+    if invalid_norm_skips_step():
+        return True
+    change = by_name("invalid-norm")
+    module = change.methods().__name__
+    return all(
+        getattr(DeepSpeedZeroOptimizer.__dict__.get(name), "__module__", None) == module
+        for name in change.form_for(DeepSpeedZeroOptimizer).methods)
 
 
 def trace_runs(runs: Sequence[Run],
@@ -568,6 +618,8 @@ def trace_runs(runs: Sequence[Run],
         and hasattr(DeepSpeedZeroOptimizer, "_use_compact_grad_partition_buffer"),
         "cleared_after_skip":
         os.environ.get(CLEAR_AFTER_SKIP) == "1",
+        "unchecked_steps_skip":
+        _unchecked_steps_skip(),
         "methods":
         method_origins(),
         "runs": {},
@@ -643,7 +695,7 @@ def boundary_syncs(result: Sequence[Dict[str, Any]], run: str) -> List[List[int]
 
 def fault_problems(run: Run, result: Sequence[Dict[str, Any]]) -> List[str]:
     """Whether the faults of ``run`` did what they should on every rank of ``result`` (not a vacuous comparison):
-    runs that skip bad steps (:attr:`Run.skips_bad_steps`) skipped exactly their faulty steps and hold no NaN; the
+    runs that skip bad steps there (:func:`skips_in`) skipped exactly their faulty steps and hold no NaN; the
     others trained through them and the NaN of the last step reached the parameters; runs without faults skipped
     nothing. ZenFlow skips steps of its own on the CPU, patched or not: its faulty steps must be among them. Where
     :func:`overflow_sticks`, every step from the first faulty one is skipped. Returns what did not hold, per rank."""
@@ -654,7 +706,7 @@ def fault_problems(run: Run, result: Sequence[Dict[str, Any]]) -> List[str]:
     for number, rank in enumerate(result):
         steps = rank["runs"][run.name]["steps"]
         where = f"rank {number}, {run.name}"
-        if run.skips_bad_steps:
+        if skips_in(run, result):
             counts = [0] + [s["skipped"] for s in steps]
             skipped = [s["step"] for s, before in zip(steps, counts) if s["skipped"] > before]
             if run.zenflow:

@@ -46,7 +46,8 @@ def _status(state="applied",
             several_backwards="not-needed",
             zero3_overflow="not-needed",
             invalid_norm="not-needed",
-            rank_agreement="not-needed"):
+            rank_agreement="not-needed",
+            bf16_check="not-needed"):
     return PatchStatus(state, version, "", {}, {
         "grad-norm": (grad_norm, ""),
         "skipped-step": (skipped_step, ""),
@@ -54,7 +55,8 @@ def _status(state="applied",
         "several-backwards": (several_backwards, ""),
         "zero3-overflow": (zero3_overflow, ""),
         "invalid-norm": (invalid_norm, ""),
-        "rank-agreement": (rank_agreement, "")
+        "rank-agreement": (rank_agreement, ""),
+        "bf16-check": (bf16_check, "")
     })
 
 
@@ -70,6 +72,7 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
         "invalid-norm": ("no", "-"),
+        "bf16-unchecked": ("no", "-"),
         "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
     }
@@ -105,6 +108,7 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
         "dropped-micro-batches": ("no", "-"),
         "dropped-backwards": ("no", "-"),
         "invalid-norm": ("no", "-"),
+        "bf16-unchecked": ("no", "-"),
         "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
     }
@@ -213,3 +217,20 @@ def test_an_offloaded_zero_1_2_job_in_fp32_meets_the_invalid_norm_where_the_rele
     assert "leaves that opt-out" in by_name("invalid-norm").affects(check_off)[1]
     fp16 = _config(UPSTREAM, bf16__enabled=False, fp16__enabled=True)
     assert _verdicts(fp16, _status(**old))["invalid-norm"][0] == "no"
+
+
+@pytest.mark.parametrize("path", [UPSTREAM, HF_GENERATED, ACCELERATE], ids=["upstream", "hf-trainer", "accelerate"])
+def test_a_bf16_config_that_leaves_the_check_out_meets_deepspeed_s_default(path):
+    """The configs HF Trainer and Accelerate write leave ``check_grad_overflow`` out: on 0.17.1 - 0.19.2 DeepSpeed's
+    default is off, fixed where the bf16-check default is applied; a config that sets the key (either way), fp16 and
+    fp32 are not this defect's; from 0.19.3 DeepSpeed checks by default (``not-needed``)."""
+    assert read_job(_config(path)).check_grad_overflow is None
+    old = dict(version="0.17.6", skipped_step="not-needed", bf16_check="applied")
+    assert _verdicts(_config(path), _status(**old))["bf16-unchecked"] == ("yes", "yes")
+    assert _verdicts(_config(path), _status(**dict(old, bf16_check="off")))["bf16-unchecked"] == ("yes", "no")
+    assert _verdicts(_config(path), _status())["bf16-unchecked"][0] == "no"  # 0.19.8: not-needed
+    for value in (True, False):
+        assert _verdicts(_config(path, bf16__check_grad_overflow=value), _status(**old))["bf16-unchecked"][0] == "no"
+    fp32 = _config(path, bf16__enabled=False)
+    assert _verdicts(fp32, _status(**old))["bf16-unchecked"][0] == "no"
+    assert "check_grad_overflow unset" in read_job(_config(path)).text()

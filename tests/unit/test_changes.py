@@ -103,7 +103,9 @@ def test_each_form_names_a_replacement_for_each_method_and_the_forms_do_not_over
     from deepspeed_offload_patch.releases import PATCHED_RELEASES
     for change in CHANGES:
         module = change.methods()
-        assert module.__name__ == f"{changes.__name__}.{_module(change)}.methods"
+        # A change that sets a default replaces no method: its module makes the default.
+        assert module.__name__ == f"{changes.__name__}.{_module(change)}.{'default' if change.default else 'methods'}"
+        assert bool(change.forms) != bool(change.default), change.name
         for form in change.forms:
             for method, function in form.functions:
                 assert callable(getattr(module, function)), (change.name, method, function)

@@ -11,12 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGE = "deepspeed_offload_patch"
 
 FLOORS = {
-    # What DeepSpeed's methods are replaced with (each change's ``methods``), the data, and mechanisms that know
-    # nothing of the rest.
+    # What DeepSpeed's methods are replaced with (each change's ``methods``; a default's ``default``), the data, and
+    # mechanisms that know nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
         "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods",
-        "changes.zero3_overflow.methods", "changes.invalid_norm.methods", "changes.rank_agreement.methods"),
+        "changes.zero3_overflow.methods", "changes.invalid_norm.methods", "changes.rank_agreement.methods",
+        "changes.bf16_check.default"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one; the line said for a skipped step.
     1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
@@ -25,8 +26,8 @@ FLOORS = {
     2: ("changes.record", ),  # what a change declares
     3: ("guard", ),  # the decision whether to patch, given a change
     4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step", "changes.grad_accumulation",
-        "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm",
-        "changes.rank_agreement"),  # one record each
+        "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm", "changes.rank_agreement",
+        "changes.bf16_check"),  # one record each
     5: ("changes", ),  # the registry
     6: ("patch_status", "replacements"),  # what status() reports; what a change installs on a class
     7: ("patcher", ),  # applies and reverts, keeps the status

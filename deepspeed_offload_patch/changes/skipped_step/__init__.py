@@ -80,7 +80,9 @@ def affects(job) -> tuple:
         return "no", "gradients accumulate in the precision's dtype"
     skips = {
         "fp16": "yes",
-        "bf16": "yes" if job.check_grad_overflow is True else "maybe" if job.check_grad_overflow == "auto" else "no",
+        # Unset: on where this fix applies (DeepSpeed 0.19.8's default; before 0.19.3 the package turns it on).
+        "bf16":
+        "yes" if job.check_grad_overflow in (True, None) else "maybe" if job.check_grad_overflow == "auto" else "no",
         "auto": "maybe"
     }.get(job.precision, "no")
     if skips == "no":

@@ -7,7 +7,9 @@ step's parameters, fp32 master partitions, skipped-step count, ``optimizer.overf
 identical, bits and Python types (:mod:`deepspeed_offload_patch.testing.equivalence`). Where the skipped-step fix
 changes a run (a fault, with fp32 gradient accumulation on DeepSpeed 0.19.8, which keeps it in its compact buffer and
 skips every later step), the reference is unpatched DeepSpeed without that defect: with the buffer turned off at
-ZeRO-1, with the buffer zeroed after each skipped step at ZeRO-2
+ZeRO-1, with the buffer zeroed after each skipped step at ZeRO-2. Where a fix that corrects training reaches a run
+(ZeRO-2 over 3 micro-steps on releases that drop the middle ones; an fp32 fault that DeepSpeed 0.17.1 - 0.19.7 apply),
+it is unpatched DeepSpeed with that fix alone
 (:func:`~deepspeed_offload_patch.testing.equivalence.reference_side`).
 
 The configurations are a pairwise covering array, not the full product (4 x 3 x 2^6 = 768 runs): every pair of
@@ -18,8 +20,8 @@ break code involve one or two factors; the two
 many-valued factors (precision and model) are crossed in full. bf16, bf16 with the check off, fp32 and fp16 (loss
 scale 2**8) all get an inf on one rank at a boundary and a NaN on the other rank (at an inner micro-step where there
 is one), except bf16 with the check off, whose NaN comes in the last step: runs that skip bad steps (fp16; bf16 with
-the check on from 0.17.1; fp32 from 0.19.8, through its gradient norm) must skip exactly those steps, the others
-train through them, patched or not. ZenFlow (DeepSpeed 0.17.6 and later) adds one run. ZenFlow skips steps of its own on the
+the check on from 0.17.1; fp32 from 0.19.8 through its gradient norm, and patched before it through the invalid-norm
+fix) must skip exactly those steps, the others train through them. ZenFlow (DeepSpeed 0.17.6 and later) adds one run. ZenFlow skips steps of its own on the
 CPU, patched or not (after an overflow on 0.19.8; on 0.18.x its parameters go to NaN and it skips from the second
 step), so its only fault is in its last step, which must be skipped.
 """
@@ -29,12 +31,11 @@ import itertools
 import pytest
 
 from deepspeed_offload_patch import GOOD_STATES
-from deepspeed_offload_patch.testing.installed import has_defect
 from deepspeed_offload_patch.testing.equivalence import (BUFFER_OFF, CLEARED_AFTER_SKIP, GRAD_ACCUM_DTYPES, PATCHED,
                                                          TRAINING_FIXED, PRECISIONS, UNPATCHED, Fault, Run,
                                                          bad_gradients_survive, boundary_syncs, differences,
                                                          fault_problems, invalid_norm_skips_step, per_param_tracker,
-                                                         reference_side, run_side, zenflow_available)
+                                                         reference_side, run_side, training_fixes, zenflow_available)
 from deepspeed_offload_patch.testing.launch import DistributedFailure
 
 pytestmark = pytest.mark.equivalence
@@ -135,8 +136,9 @@ def test_patched_and_unpatched_train_the_same_bits(sides, run):
         # Not a vacuous reference: unpatched DeepSpeed, with its buffer, skips steps the reference takes.
         assert any("skipped" in line for line in differences(sides[UNPATCHED], sides[reference_side(run)], run.name))
     if reference_side(run) == TRAINING_FIXED:
-        # Where the release drops micro-batches, its fix is what the reference has beside unpatched DeepSpeed.
-        assert bool(differences(sides[UNPATCHED], sides[TRAINING_FIXED], run.name)) == has_defect("grad-accumulation")
+        # Where the release drops micro-batches or applies an unchecked bad step, the fix is what the reference has
+        # beside unpatched DeepSpeed.
+        assert bool(differences(sides[UNPATCHED], sides[TRAINING_FIXED], run.name)) == bool(training_fixes(run))
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda run: run.name)
