@@ -65,7 +65,7 @@ setup(
     },
     packages=find_packages(include=["deepspeed_offload_patch", "deepspeed_offload_patch.*"]),
     py_modules=["pytest_ds_offload_patch"],
-    package_data={"deepspeed_offload_patch": ["_bootstrap/sitecustomize.py"]},
+    package_data={"deepspeed_offload_patch": ["_bootstrap/sitecustomize.py", "one_inf.json"]},
     python_requires=">=3.10",  # torch 2.13.0, which CI pins, has wheels for 3.10 - 3.14
     # torch first, as its own install step (a bare deepspeed install pulls a CUDA build); see README.md.
     install_requires=["deepspeed>=0.14.0", "torch", "packaging>=20.0"],

@@ -1,19 +1,22 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""Render docs/releases.md's one-inf table from the runs ``nox -s outcomes`` wrote (``docs/outcomes/<release>.json``).
+"""Render docs/releases.md's one-inf table from the runs ``nox -s outcomes`` wrote (``docs/outcomes/<release>.json``),
+and the package's ``one_inf.json``, from which ``affected`` names a job's outcome.
 
 One row per ZeRO stage and precision, one column per release; each entry is ``unpatched → patched``, once where
 gradient accumulation 1 and 2 agree, else for each (``ga1 ...; ga2 ...``). ``--check`` writes nothing and exits 1
-when the document holds another table.
+when the document holds another table, or the package's file other data.
 
     python ci/outcomes_table.py            # rewrite the table in docs/releases.md
     python ci/outcomes_table.py --check
 """
 
+import json
 import os
+import re
 import sys
 
-from oracle_table import ROOT, cli
+from oracle_table import ROOT, cli, load
 
 RUNS = os.path.join(ROOT, "docs", "outcomes")
 PRECISIONS = {
@@ -88,8 +91,45 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+#: The releases each recorded one stands for in ``affected`` (the package's ``one_inf.json``): the outcomes change
+#: only where a defect of the package's scope comes or goes (0.16.3: the L2 norm's form; 0.17.1: bf16's check and a
+#: float norm sentinel; 0.18.0: ZeRO-1's ranks agree; 0.19.3: bf16's check on by default; 0.19.8: every one fixed).
+STANDS_FOR = {
+    "0.14.4": ">=0.14.0,<0.16.3",
+    "0.16.9": ">=0.16.3,<0.17.1",
+    "0.17.6": ">=0.17.1,<0.18.0",
+    "0.18.9": ">=0.18.0,<0.19.3",
+    "0.19.7": ">=0.19.3,<0.19.8",
+    "0.19.8": "==0.19.8",
+}
+DATA = os.path.join(ROOT, "deepspeed_offload_patch", "one_inf.json")
+
+
+def compact(runs: dict) -> str:
+    """The package's ``one_inf.json``: each recorded release's cells with an inf on rank 0, ``[unpatched, patched]``
+    by the job's shape (the cell's name without its fault), and :data:`STANDS_FOR`."""
+    cells = {
+        release: {
+            cell["name"].rsplit("-inf-one", 1)[0]: [cell["unpatched"], cell["patched"]]
+            for cell in run["cells"] if cell["fault"] == "inf" and not cell["every_rank"]
+        }
+        for release, run in runs.items()
+    }
+    text = json.dumps({"stands_for": STANDS_FOR, "cells": cells}, indent=1, sort_keys=True)
+    return re.sub(r'\[\s+("[^"]+"),\s+("[^"]+")\s+\]', r"[\1, \2]", text) + "\n"  # a cell on one line
+
+
 def main(argv=None) -> int:
-    return cli(argv, "outcomes", table, RUNS, "one-inf table")
+    code = cli(argv, "outcomes", table, RUNS, "one-inf table")
+    text = compact(load(RUNS))
+    if "--check" in (sys.argv[1:] if argv is None else argv):
+        same = os.path.exists(DATA) and open(DATA).read() == text
+        if not same:
+            print(f"{DATA} differs from {RUNS}: run {__file__}")
+        return code or (0 if same else 1)
+    with open(DATA, "w") as f:
+        f.write(text)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ by the Trainer at run time: where one decides a defect, the answer is ``maybe``.
 ``offload_optimizer`` has them, and a change's ``affects`` narrows that where the defect needs more (a precision, an
 accumulation dtype).
 
+A last line names what one inf/NaN gradient does to the job, unpatched and with the package's defaults, as
+``nox -s outcomes`` recorded it on the release that stands for the installed one (:mod:`.one_inf`).
+
 Exit code: 0 when the job has no defect that stays (none, or each fixed here by default), 1 when it has one (or
 may have one, with ``"auto"``), 2 when the config cannot be read.
 """
@@ -18,7 +21,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from deepspeed_offload_patch.changes import CHANGES
+from deepspeed_offload_patch import one_inf
+from deepspeed_offload_patch.changes import CHANGES, OTHERS
 from deepspeed_offload_patch.states import State
 
 YES, NO, MAYBE = "yes", "no", "maybe"
@@ -37,6 +41,7 @@ class Job:
     check_grad_overflow: Union[bool, str, None]
     grad_accum_dtype: Optional[str]
     grad_accum: Union[int, str] = 1  # gradient_accumulation_steps (1 by default)
+    offload_param: bool = False  # ZeRO-3's offload_param to a device
 
     def text(self) -> str:
         check = ""
@@ -84,6 +89,8 @@ def read_job(config: Dict[str, Any]) -> Job:
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
     device = offload.get("device") if isinstance(offload, dict) else None
+    param = (zero.get("offload_param") or {}) if isinstance(zero, dict) else {}
+    param_device = param.get("device") if isinstance(param, dict) else None
     bf16 = config.get("bf16", config.get("bfloat16"))
     fp16 = config.get("fp16")
     bf16_on, fp16_on = _enabled(bf16), _enabled(fp16)
@@ -104,7 +111,8 @@ def read_job(config: Dict[str, Any]) -> Job:
                precision=precision,
                check_grad_overflow=check if check in (AUTO, None) else bool(check),
                grad_accum_dtype=accum,
-               grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1)
+               grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1,
+               offload_param=param_device not in (None, "none"))
 
 
 def _offloaded(job: Job, stages: Tuple[int, ...]) -> str:
@@ -159,6 +167,8 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
     status = resolve_status()
     found = findings(job, status)
     code = 1 if any(finding.stays for finding in found) else 0
+    shape = one_inf.cell_key(job.stage, job.offload_param, job.precision, job.check_grad_overflow, job.grad_accum)
+    recorded = one_inf.outcome(status.deepspeed_version, shape) if job.offload else None
     if as_json:
         print(
             json.dumps(
@@ -168,6 +178,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
                     "python": platform.python_version(),
                     "job": asdict(job),
                     "defects": [asdict(finding) for finding in found],
+                    "one_inf": asdict(recorded) if recorded else None,
                     "exit": code
                 },
                 indent=2))
@@ -184,4 +195,20 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
             verdict = f"{'affected' if finding.affected == YES else 'maybe affected'} ({finding.why}); " \
                       f"{fix[finding.fixed]}"
         print(f"{titles[finding.defect]}: {verdict} [{finding.change}]")
+    print(_one_inf_line(job, status, recorded))
     return code
+
+
+def _one_inf_line(job: Job, status, recorded: Optional[one_inf.Outcome]) -> str:
+    """What one inf/NaN does to the job, as recorded (:mod:`deepspeed_offload_patch.one_inf`), or why that is not
+    known; with the switches that make this process differ from the package's defaults."""
+    if job.offload is None:
+        return "one inf/NaN: no offload_optimizer, outside what was recorded"
+    if recorded is None:
+        return (f"one inf/NaN: not recorded for this job on DeepSpeed {status.deepspeed_version or '(not installed)'}"
+                " (a setting left to \"auto\", a stage outside 1 - 3, or a release past those recorded)")
+    off = [change.title for change in OTHERS if status.of(change)[0] == State.OFF]
+    if status.state == State.DISABLED:
+        off = ["the whole package (disabled)"]
+    note = f"; here {', '.join(off)} off, so the unpatched outcome may apply" if off else ""
+    return recorded.text() + note

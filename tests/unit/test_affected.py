@@ -8,11 +8,13 @@ with its ``"auto"`` values, and, written by ``ci/gen_configs.py`` with the trans
 --use_deepspeed --zero_stage 2 --offload_optimizer_device cpu --mixed_precision bf16`` (its ``steps_per_print`` is
 infinite). ``tests/stacks/test_stacks.py`` checks that those two are what the libraries generate."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 
+from deepspeed_offload_patch import one_inf
 from deepspeed_offload_patch.affected import findings, read_job
 from deepspeed_offload_patch.changes import by_name
 from deepspeed_offload_patch.patcher import PatchStatus
@@ -234,3 +236,34 @@ def test_a_bf16_config_that_leaves_the_check_out_meets_deepspeed_s_default(path)
     fp32 = _config(path, bf16__enabled=False)
     assert _verdicts(fp32, _status(**old))["bf16-unchecked"][0] == "no"
     assert "check_grad_overflow unset" in read_job(_config(path)).text()
+
+
+def test_a_job_s_shape_is_the_recorded_cell_it_runs_as():
+    assert one_inf.cell_key(2, False, "bf16", None, 4) == "s2-bf16-unset-ga2"
+    assert one_inf.cell_key(3, True, "bf16", False, 1) == "s3-param-bf16-off-ga1"
+    assert one_inf.cell_key(1, True, "fp32", None, 1) == "s1-fp32-ga1"  # offload_param is ZeRO-3's
+    assert one_inf.cell_key(2, False, "auto", None, 1) is None and one_inf.cell_key(0, False, "fp16", None, 1) is None
+    assert one_inf.cell_key("auto", False, "fp16", None, 1) is None
+
+
+def test_a_release_reads_the_outcome_recorded_on_the_release_that_stands_for_it():
+    found = one_inf.outcome("0.17.3", "s2-fp32-ga1")
+    assert (found.recorded_on, found.unpatched, found.patched) == ("0.17.6", "nan-weights", "skipped"), found
+    assert one_inf.outcome("0.16.1+local", "s2-fp32-ga1").recorded_on == "0.14.4"
+    assert "step() crashes" in one_inf.outcome("0.16.5", "s1-fp32-ga2").text()
+    assert one_inf.outcome("0.20.0", "s2-fp32-ga1") is None and one_inf.outcome("0.19.8", None) is None
+
+
+def test_the_command_names_the_job_s_outcome_on_the_installed_release():
+    result = run_command(CLI + ["affected", "--json", UPSTREAM])
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    import deepspeed
+    job = read_job(_config(UPSTREAM))
+    key = one_inf.cell_key(job.stage, job.offload_param, job.precision, job.check_grad_overflow, job.grad_accum)
+    assert key is not None, job
+    expected = one_inf.outcome(deepspeed.__version__, key)
+    assert report["one_inf"] == (dataclasses.asdict(expected) if expected else None), report
+    text = run_command(CLI + ["affected", UPSTREAM]).stdout
+    assert (expected.text() if expected else "one inf/NaN: not recorded") in text, text
+    off = run_command(CLI + ["affected", UPSTREAM], env={"DS_OFFLOAD_PATCH_DISABLE": "1"}).stdout
+    assert expected is None or "the whole package (disabled) off" in off, off

@@ -233,7 +233,8 @@ def test_the_oracle_table_is_the_recorded_runs():
 
 def test_the_outcome_table_is_the_recorded_runs():
     """docs/releases.md holds the one-inf table as ``ci/outcomes_table.py`` renders it from docs/outcomes/*.json, and
-    every recorded run holds the core cells, each outcome one the harness names."""
+    every recorded run holds the core cells, each outcome one the harness names; the package's ``one_inf.json``, from
+    which ``affected`` names a job's outcome, is the same runs, and stands each supported release for one recorded."""
     sys.path.insert(0, os.path.join(ROOT, "ci"))
     import oracle_table
     import outcomes_table
@@ -247,6 +248,16 @@ def test_the_outcome_table_is_the_recorded_runs():
     for release, run in runs.items():
         assert core <= {row["name"] for row in run["cells"]}, release
         assert {row[side] for row in run["cells"] for side in ("unpatched", "patched")} <= set(outcomes.OUTCOMES)
+    from packaging.specifiers import SpecifierSet
+
+    from deepspeed_offload_patch import one_inf
+    from deepspeed_offload_patch.releases import PATCHED_RELEASES
+    with open(one_inf.DATA) as f:
+        assert f.read() == outcomes_table.compact(runs), "run ci/outcomes_table.py"
+    assert set(outcomes_table.STANDS_FOR) == set(runs)
+    for version in PATCHED_RELEASES:
+        standing = [r for r, releases in outcomes_table.STANDS_FOR.items() if SpecifierSet(releases).contains(version)]
+        assert len(standing) == 1, (version, standing)
 
 
 def test_the_accumulation_counts_are_the_measured_ones():

@@ -29,7 +29,8 @@ FLOORS = {
         "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm", "changes.rank_agreement",
         "changes.bf16_check"),  # one record each
     5: ("changes", ),  # the registry
-    6: ("patch_status", "replacements"),  # what status() reports; what a change installs on a class
+    # What status() reports; what a change installs on a class; what one inf does to a job, as recorded.
+    6: ("patch_status", "replacements", "one_inf"),
     7: ("patcher", ),  # applies and reverts, keeps the status
     # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
     # verify and the harness); a job's defects from its config.
