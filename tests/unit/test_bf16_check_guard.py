@@ -95,6 +95,27 @@ def test_a_rebuild_that_does_not_give_the_default_is_refused(monkeypatch):
     assert dict(cls.__dict__) == before and cls().check_grad_overflow is False
 
 
+def test_a_release_without_the_config_module_is_told_without_importing_deepspeed():
+    """Before 0.17.x DeepSpeed has no ``deepspeed.runtime.precision_config``: the change is then ``not-needed``, which
+    the patcher finds from DeepSpeed's package folder (importing DeepSpeed at the package's import is not allowed)."""
+    from deepspeed_offload_patch.patch_status import deepspeed_lacks
+
+    assert CHANGE.target.optional
+    assert deepspeed_lacks("deepspeed.runtime.no_such_module") and not deepspeed_lacks("deepspeed.runtime.config")
+    assert_ok(
+        run_python("""
+import sys
+import deepspeed_offload_patch as dop
+from deepspeed_offload_patch.changes import by_name
+from deepspeed_offload_patch.changes.bf16_check import BF16_CONFIG
+object.__setattr__(BF16_CONFIG, "module", "deepspeed.runtime.no_such_module")  # a release without it
+dop.revert(); dop.patcher._pend_other_targets()
+state, reason = dop.status().of(by_name("bf16-check"))
+assert state == "not-needed" and "no_such_module" in reason, reason
+assert "deepspeed" not in sys.modules
+"""))
+
+
 # Before the package's import: DeepSpeed's bf16 config defaulting to false, as 0.17.1 - 0.19.2 ship it.
 AS_0_17 = """
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config as cls

@@ -110,6 +110,17 @@ def test_the_check_newly_on_adds_at_most_one_host_read_per_step_at_any_size():
     assert skips.added_read_problems(found, without, CLEAN, sizes) == [], (found, without)
 
 
+def test_verify_s_check_passes_with_the_change_and_can_fail_without_it():
+    """``verify``'s ``check-left-out`` (a bf16 engine whose config leaves the key out, a NaN at its first step): it
+    holds with the package's defaults; with the change off it fails where the release has the defect."""
+    from deepspeed_offload_patch import verify
+
+    found = run_distributed(verify._check_left_out, 1, args=("bf16", ), env={DISABLE: "0"}, fork_server=True)[0]
+    assert all(found.values()), found
+    without = run_distributed(verify._check_left_out, 1, args=("bf16", ), env=OFF, fork_server=True)[0]
+    assert all(without.values()) != DEFECT, without
+
+
 def test_on_the_installed_release_the_config_class_is_changed_only_where_needed():
     """In a fresh interpreter with the default switches: where the release defaults the check to false, a config
     without the key reads true and one with false keeps it; ``revert()`` puts DeepSpeed's own class attributes back
