@@ -36,8 +36,11 @@ def has_defect(name: str) -> bool:
     import deepspeed
 
     from deepspeed_offload_patch.changes import by_name
+    from deepspeed_offload_patch.patch_status import deepspeed_lacks
     from deepspeed_offload_patch.states import State
 
     change = by_name(name)
+    if change.target.optional and deepspeed_lacks(change.target.module):
+        return False  # a release without the module the change is about
     cls = getattr(importlib.import_module(change.target.module), change.target.name)
     return change.decide(change, cls, deepspeed.__version__).state == State.APPLIED
