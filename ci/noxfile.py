@@ -90,7 +90,7 @@ def changes_result(status: dict, release: str, variant: str = "", fixed: bool = 
     (upstream-fixed with the diffs applied, ``fixed``), not-needed where it has none, or the variant's own."""
     expected = {}
     for change in OTHERS:
-        state = (State.UPSTREAM_FIXED if fixed else State.APPLIED) if change.form_of(release) else State.NOT_NEEDED
+        state = (State.UPSTREAM_FIXED if fixed else State.APPLIED) if change.covers(release) else State.NOT_NEEDED
         expected[change.state_key] = VARIANT_CHANGES.get(variant, {}).get(change.name, state)
     return {"changes": {key: status.get(key) for key in expected}, "changes_expected": expected}
 
@@ -104,7 +104,6 @@ OLDER_TORCH = {release: ("torch==2.3.1", "numpy<2") for release in ("0.14.1", "0
 NOT_ON_CPU = ("0.14.0", )
 VARIANT_BASE = "0.19.8"
 REPORTS = os.path.join(ROOT, "reports", "matrix")
-TARGET = os.path.join("deepspeed", "runtime", "zero", "stage_1_and_2.py")
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = [f"release(deepspeed='{v}')"
                         for v in REPRESENTATIVE] + [f"variant(kind='{k}')" for k in list(VARIANTS)[:3]]
@@ -532,17 +531,21 @@ def _watch(session: nox.Session, name: str, should_pass: bool) -> dict:
 
 
 def _with_diff(session: nox.Session, deepspeed: str) -> dict:
-    """Apply the release's diff of each change that has a form there (the sync fix, the grad norm, the skipped-step
-    fix, the two accumulation fixes) to the installed file; then, with the monkey-patch disabled, each must read as
-    upstream-fixed and the ZeRO tests must pass on the diffs alone."""
+    """Apply the release's diff of each change that has a form (or its unfixed default) there to the installed files;
+    then, with the monkey-patch disabled, each must read as upstream-fixed and the ZeRO tests must pass on the diffs
+    alone."""
     site = _site_packages(session)
-    path = os.path.join(site, TARGET)
-    backup = os.path.join(REPORTS, f"{deepspeed}-stage_1_and_2.py.original")  # not where patch writes its .orig
-    shutil.copy(path, backup)
+    # Each change's diff for this release (diff's default is the upstream change's), and the files they patch.
+    chosen = [change for change in CHANGES if change.covers(deepspeed)]
+    options = [([] if change.upstream else [f"--{change.name}"], change.name) for change in chosen]
+    # Kept aside (not where patch writes its .orig) and put back after.
+    backups = {
+        os.path.join(site, path): os.path.join(REPORTS, f"{deepspeed}-{os.path.basename(path)}.original")
+        for path in dict.fromkeys(change.target.path for change in chosen)
+    }
+    for path, backup in backups.items():
+        shutil.copy(path, backup)
     try:
-        # Each change's diff for this release (diff's default is the upstream change's).
-        options = [([] if change.upstream else [f"--{change.name}"], change.name) for change in CHANGES
-                   if change.form_of(deepspeed) is not None]
         for option, name in options:
             diff = session.run("python", "-m", "deepspeed_offload_patch", "diff", *option, silent=True, stderr=None)
             diff_file = os.path.join(REPORTS, f"{deepspeed}-{name}.diff")
@@ -574,7 +577,8 @@ def _with_diff(session: nox.Session, deepspeed: str) -> dict:
             _pytest(session, f"{deepspeed}-diff", "-m", "not equivalence", "tests/unit/v1/zero", env=disabled),
         }
     finally:
-        shutil.move(backup, path)
+        for path, backup in backups.items():
+            shutil.move(backup, path)
 
 
 def _commit() -> str:
