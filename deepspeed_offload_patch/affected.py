@@ -130,8 +130,9 @@ def findings(job: Job, status) -> List[Finding]:
 
     Only a job that offloads the optimizer at a stage whose class the change replaces methods of (ZeRO-1/2, or
     ZeRO-3) can have its defect; a change's ``affects(job)`` narrows that further (the precision, the accumulation
-    dtype). A DeepSpeed that does not need the change (``not-needed``, ``upstream-fixed``) has no such defect;
-    otherwise the change fixes it where it is ``applied``.
+    dtype). A DeepSpeed that does not need the change (``not-needed``, ``upstream-fixed``; or, for a change switched
+    off or disabled, whose guard would not apply it to the DeepSpeed loaded here) has no such defect; otherwise the
+    change fixes it where it is ``applied``.
     """
     version = status.deepspeed_version or "(not installed)"
     found = []
@@ -146,11 +147,27 @@ def findings(job: Job, status) -> List[Finding]:
             found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what))
         elif state in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
             found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what))
+        elif state in (State.OFF, State.DISABLED) and _needless_here(change, status.deepspeed_version):
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}, and not needed there", "-", what))
         else:
             found.append(
                 Finding(defect, MAYBE if MAYBE in (offloaded, affected) else YES, f"{where}, {why}" if why else where,
                         YES if state == State.APPLIED else NO, what))
     return found
+
+
+def _needless_here(change, version: Optional[str]) -> bool:
+    """For a change left out (its switch, or the package disabled): whether the DeepSpeed loaded in this process, the
+    one ``version`` names, has no defect for it (its guard would not apply it), so that leaving it out leaves nothing
+    unfixed. False where that class is not loaded, or is of another version (a status of some other DeepSpeed)."""
+    import sys
+
+    module = sys.modules.get(change.target.module)
+    cls = getattr(module, change.target.name, None)
+    loaded = getattr(sys.modules.get("deepspeed"), "__version__", None)
+    if cls is None or version is None or loaded != version:
+        return False
+    return change.decide(change, cls, version).state in (State.NOT_NEEDED, State.UPSTREAM_FIXED)
 
 
 def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) -> int:

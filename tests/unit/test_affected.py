@@ -267,3 +267,17 @@ def test_the_command_names_the_job_s_outcome_on_the_installed_release():
     assert (expected.text() if expected else "one inf/NaN: not recorded") in text, text
     off = run_command(CLI + ["affected", UPSTREAM], env={"DS_OFFLOAD_PATCH_DISABLE": "1"}).stdout
     assert expected is None or "the whole package (disabled) off" in off, off
+
+
+def test_a_change_left_out_where_the_loaded_release_does_not_need_it_leaves_nothing_unfixed():
+    """A change switched off (or the package disabled) on the DeepSpeed loaded here counts as not fixed only where its
+    guard would apply it there; a status of another DeepSpeed is not judged by the loaded one."""
+    import deepspeed
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401  (the class the guard looks at)
+
+    from deepspeed_offload_patch.testing.installed import has_defect
+    ga1 = _config(UPSTREAM, zero_optimization__stage=2, gradient_accumulation_steps=1)
+    here = _verdicts(ga1, _status(version=deepspeed.__version__, several_backwards="off"))["dropped-backwards"]
+    assert here == (("maybe", "no") if has_defect("several-backwards") else ("no", "-")), here
+    other = "0.17.6" if deepspeed.__version__.strip() != "0.17.6" else "0.18.9"
+    assert _verdicts(ga1, _status(version=other, several_backwards="off"))["dropped-backwards"] == ("maybe", "no")
