@@ -350,13 +350,11 @@ def is_applied() -> bool:
 
 
 def _still_applied(change: Change) -> bool:
-    """Whether ``change``'s methods, in the loaded class's form, are all still its replacements (for a change that
-    sets a default: the attributes that carry it)."""
-    cls = _loaded_class(change.target)
-    if change.default is not None:
-        record = _applied.get(change.name)
-        return record is not None and record.cls is cls and all(record.ours(name) for name in record.replacements)
-    return cls is not None and all(_still_ours(change, name) for name in change.form_for(cls).methods)
+    """Whether what ``change`` installed on its loaded class (its methods, or the attributes that carry its default)
+    is all still there."""
+    record = _applied.get(change.name)
+    return (record is not None and record.cls is _loaded_class(change.target)
+            and all(_still_ours(change, name) for name in record.replacements))
 
 
 def status() -> PatchStatus:
