@@ -44,7 +44,8 @@ UNFIXED = {
         '9851e58c1e3aefa0': ('0.15.2', '0.15.3', '0.15.4', '0.16.0', '0.16.1', '0.16.2', '0.16.3', '0.16.4', '0.16.5',
                              '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0', '0.17.1', '0.17.2', '0.17.3', '0.17.4',
                              '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2'),
-        'e749a7f65b070598': ('0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9')
+        'e749a7f65b070598': ('0.18.3', '0.18.4', '0.18.5', '0.18.6', '0.18.7', '0.18.8', '0.18.9'),
+        'e52f948e96255734': ('0.19.8', )
     },
     'copy_grads_in_partition': {
         '33206ccc2f409711':
@@ -79,12 +80,23 @@ UNFIXED = {
         ('0.16.2', '0.16.3', '0.16.4', '0.16.5', '0.16.6', '0.16.7', '0.16.8', '0.16.9', '0.17.0', '0.17.1', '0.17.2',
          '0.17.3', '0.17.4', '0.17.5', '0.17.6', '0.18.0', '0.18.1', '0.18.2', '0.18.3', '0.18.4', '0.18.5', '0.18.6',
          '0.18.7', '0.18.8', '0.18.9', '0.19.0', '0.19.1', '0.19.2', '0.19.3', '0.19.4', '0.19.5', '0.19.6', '0.19.7')
+    },
+    '_restore_cpu_offload_grad_to_gpu': {
+        '1172d3acd65d947b': ('0.19.8', )
+    },
+    '_wait_for_offload_copies': {
+        'c957a721edd9fd52': ('0.19.8', )
+    },
+    '_record_offload_copy': {
+        '6222e2964a151917': ('0.19.8', )
     }
 }
 
 #: The digests of the package's own replacements (``change.function``): an interpreter that digests them otherwise
 #: reads all code differently, and the guard says so instead of blaming DeepSpeed.
 OWN = {
+    'event-waits._restore_cpu_offload_grad_to_gpu': '3a79bc2ed6374a33',
+    'event-waits.async_accumulate_grad_in_cpu_via_gpu': 'dc7c53f49db29ece',
     'grad-accumulation.async_accumulate_grad_in_cpu_via_gpu': '07b07c585ed45a0f',
     'grad-accumulation.async_accumulate_grad_in_cpu_via_gpu_fp16_master': '7b71eacb792786f0',
     'grad-norm.complete_grad_norm_calculation_for_cpu_offload': 'cd659c37662af1fa',

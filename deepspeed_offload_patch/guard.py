@@ -43,6 +43,7 @@ MISMATCH = "mismatch"  # DeepSpeed's own code, in a form this package does not k
 FOREIGN = "foreign"  # replaced by someone else
 OURS = "ours"  # already replaced by this package
 MISSING = "missing"  # not defined on the class
+_CHANGES_PACKAGE = "deepspeed_offload_patch.changes."
 
 
 def fingerprint_source(source: str) -> str:
@@ -153,6 +154,17 @@ def _defined_in(func: Callable, cls: type) -> bool:
     return code.co_filename == module_file and func.__qualname__ == f"{cls.__name__}.{func.__name__}"
 
 
+def _under_other_change(change: Change, cls: type, name: str, func: Callable) -> Callable:
+    """DeepSpeed's own method where ``func`` is another change's replacement of it, applied in this process (two
+    changes replace one method, each on its own releases: the other's decision is about DeepSpeed's code, not about
+    the package's); else ``func``. Reads the patcher only if it is loaded: deciding never imports it."""
+    if not getattr(func, "__module__", "").startswith(_CHANGES_PACKAGE):
+        return func
+    patcher = sys.modules.get("deepspeed_offload_patch.patcher")
+    original = patcher.originals().get(change.key(name)) if patcher is not None else None
+    return unwrapped(original) if original is not None and cls.__dict__.get(name) is not original else func
+
+
 def classify_method(cls: type, name: str, change: Change) -> Tuple[str, Optional[Callable]]:
     """Classify ``cls.<name>``, a method ``change`` replaces or reads; for PATCHABLE, also return the replacement that
     goes with its form.
@@ -167,6 +179,7 @@ def classify_method(cls: type, name: str, change: Change) -> Tuple[str, Optional
     ours = [replacement for _, replacement in change.replacements(name)]
     if any(func is replacement for replacement in ours):
         return OURS, None
+    func = _under_other_change(change, cls, name, func)
     if not _defined_in(func, cls):
         return FOREIGN, None
     digest = fingerprint(func)

@@ -3,7 +3,8 @@
 """Host synchronizations seen at PyTorch's dispatcher: the one mechanism the guard's probe, the audit, ``verify``, the
 benchmark and the test helpers count with. It imports nothing of this package.
 
-* :func:`count_host_syncs` counts host reads of tensor values by op, with the Python line of each.
+* :func:`count_host_syncs` counts the host's waits for the device by op and by kind (:data:`KINDS`: reads of tensor
+  values, event waits, stream waits, device syncs, blocking copies), with the Python line of each.
 * :func:`no_host_sync` raises :class:`HostSyncError` at the first one.
 * :class:`RaisingBoolTensor` is a tensor whose truth value cannot be taken, to feed through code under test.
 
@@ -14,6 +15,14 @@ the autograd engine carries them into its worker threads.
 Which reads count depends on where the run's tensors live (``device``). On the CPU accelerator the CPU stands in for
 the device: every read counts, as the tests need. On an accelerator only reads of tensors on it (and blocking copies
 from it into host memory) count: reading a CPU tensor there waits for nothing.
+
+Waits that do not read a value are counted by wrapping, while counting, the calls that make them: on CUDA
+``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize`` and ``torch.cuda.synchronize``. The CPU
+accelerator makes them no-ops (its events are None), so on the CPU the points where DeepSpeed would wait are counted
+instead (:data:`_CPU_WAIT_POINTS`): its accelerator's ``synchronize()``, and ZeRO-1/2's ``_wait_for_offload_copies``
+once an offload copy was recorded since the last one (DeepSpeed 0.19.8). That keeps the structure (a wait per tensor,
+or per backward) visible to the CPU suite. These wrappers are process-wide while a counter is open, unlike the
+dispatch modes: a wait in any thread counts.
 """
 
 import contextlib
@@ -21,7 +30,7 @@ import os
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -29,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "HostSyncError", "HostSyncCounter", "RaisingBoolTensor", "count_host_syncs", "no_host_sync", "on_the_cpu",
-    "run_device_type"
+    "run_device_type", "KINDS", "READ", "EVENT_WAIT", "STREAM_WAIT", "DEVICE_SYNC", "BLOCKING_COPY"
 ]
 
 aten = torch.ops.aten
@@ -47,6 +56,39 @@ _DATA_DEPENDENT_OPS = {
     aten.masked_select.default: "aten.masked_select",
 }
 _SKIP_FILES = (os.path.dirname(torch.__file__), os.path.abspath(__file__), contextlib.__file__)
+
+#: The kinds of host wait, each its own column in ``audit`` and ``bench``: a read of a tensor's value (``.item()``, an
+#: ``if`` on a tensor), a wait on an event, on a stream, on the whole device, and a copy into host memory that
+#: returns only once it is done.
+READ, EVENT_WAIT, STREAM_WAIT, DEVICE_SYNC, BLOCKING_COPY = ("read", "event wait", "stream wait", "device sync",
+                                                             "blocking copy")
+KINDS = (READ, EVENT_WAIT, STREAM_WAIT, DEVICE_SYNC, BLOCKING_COPY)
+_COPY = "device-to-host copy"
+_OFFLOAD_WAIT = "ZeRO offload copy wait"
+#: The kind of each op that is not a read.
+_KIND_OF = {
+    _COPY: BLOCKING_COPY,
+    "Event.synchronize": EVENT_WAIT,
+    _OFFLOAD_WAIT: EVENT_WAIT,
+    "Stream.synchronize": STREAM_WAIT,
+    "synchronize": DEVICE_SYNC,
+}
+#: Where DeepSpeed waits on a device whose waits the CPU accelerator makes no-ops: ``(module, class, the method that
+#: records a copy or None, the method that waits, the op it counts as)``. A wait counts only when a copy was recorded
+#: on the same object since its last wait (or, with no recording method, always): with nothing recorded the GPU's
+#: wait has nothing to wait for.
+_CPU_WAIT_POINTS = (("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_record_offload_copy",
+                     "_wait_for_offload_copies", _OFFLOAD_WAIT), )
+
+#: The objects (by id) that recorded a copy since their last wait, kept across counters: a backward counted by one
+#: counter and the ``step()`` that waits for its copies counted by the next still make a wait. A copy recorded while
+#: no counter is open is not seen.
+_RECORDED: Dict[Tuple[str, str], set] = {}
+
+
+def kind_of(op: str) -> str:
+    """The kind (one of :data:`KINDS`) of the host wait that :func:`count_host_syncs` calls ``op``."""
+    return _KIND_OF.get(op, READ)
 
 
 class HostSyncError(RuntimeError):
@@ -66,16 +108,22 @@ def _device_type(value) -> Optional[str]:
 
 
 def _blocking_device_to_host(func, args, kwargs) -> bool:
-    """A copy from an accelerator into host memory that the host waits for (non_blocking copies do not wait)."""
+    """A copy from an accelerator into host memory that the host waits for.
+
+    ``tensor.to("cpu", non_blocking=True)`` does not wait (PyTorch gives it pinned memory). ``dst.copy_(src,
+    non_blocking=True)`` waits anyway when ``dst`` is not pinned: a copy into pageable memory returns only once it is
+    complete (CUDA's documented behaviour), whatever ``non_blocking`` asks.
+    """
     if func is aten._to_copy.default:
         target = kwargs.get("device")
         source = _device_type(args[0])
         return (target is not None and torch.device(target).type == "cpu" and source not in (None, "cpu", "meta")
                 and not kwargs.get("non_blocking", False))
     if func is aten.copy_.default:
+        if _device_type(args[0]) != "cpu" or _device_type(args[1]) in (None, "cpu", "meta"):
+            return False
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-        return (_device_type(args[0]) == "cpu" and _device_type(args[1]) not in (None, "cpu", "meta")
-                and not non_blocking)
+        return not non_blocking or not args[0].is_pinned()
     return False
 
 
@@ -92,7 +140,7 @@ def _classify(func, args, kwargs, device: str) -> Optional[str]:
     if func in _DATA_DEPENDENT_OPS and _device_type(args[0]) not in ("cpu", "meta"):
         return _DATA_DEPENDENT_OPS[func]
     if _blocking_device_to_host(func, args, kwargs):
-        return "device-to-host copy"
+        return _COPY
     return None
 
 
@@ -122,7 +170,21 @@ class HostSyncCounter:
 
     @property
     def total(self) -> int:
+        """Every host wait, of every kind."""
         return sum(self.counts.values())
+
+    @property
+    def by_kind(self) -> Dict[str, int]:
+        """``{kind: count}`` for every kind of :data:`KINDS`, in that order (0 where none was seen)."""
+        found = dict.fromkeys(KINDS, 0)
+        for op, count in self.counts.items():
+            found[kind_of(op)] += count
+        return found
+
+    @property
+    def reads(self) -> int:
+        """The reads of tensor values alone (the kind that the upstream change takes off the boundary backward)."""
+        return self.by_kind[READ]
 
 
 class _DispatchWatch(TorchDispatchMode):
@@ -156,6 +218,68 @@ class _FunctionWatch(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _counting(owner, name: str, op: str, on_sync: Callable[[str], None], stack: contextlib.ExitStack) -> None:
+    """Replace ``owner.name`` with a wrapper that reports ``op`` and calls it, until ``stack`` closes."""
+    original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+    if original is None:
+        return
+
+    def counted(*args, **kwargs):
+        on_sync(op)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    stack.callback(setattr, owner, name, original)
+
+
+def _count_cpu_wait_points(on_sync: Callable[[str], None], stack: contextlib.ExitStack) -> None:
+    """On the CPU accelerator: count its ``synchronize()`` and DeepSpeed's offload-copy waits (module docstring).
+    Reads only modules already imported: counting never imports DeepSpeed."""
+    import sys
+    accelerator = sys.modules.get("deepspeed.accelerator")
+    if accelerator is not None:
+        try:
+            _counting(type(accelerator.get_accelerator()), "synchronize", "synchronize", on_sync, stack)
+        except Exception:  # a half-imported DeepSpeed: nothing of it to count
+            pass
+    for module_name, class_name, record, wait, op in _CPU_WAIT_POINTS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is None or wait not in cls.__dict__:
+            continue
+        recorded = _RECORDED.setdefault((module_name, class_name), set())
+        original_wait = cls.__dict__[wait]
+        always = record is None
+
+        def counted_wait(self, *args, _original=original_wait, _recorded=recorded, _op=op, _always=always, **kwargs):
+            if _always or id(self) in _recorded:
+                on_sync(_op)
+            _recorded.discard(id(self))
+            return _original(self, *args, **kwargs)
+
+        if record is not None and record in cls.__dict__:
+            original_record = cls.__dict__[record]
+
+            def counted_record(self, *args, _original=original_record, _recorded=recorded, **kwargs):
+                _recorded.add(id(self))
+                return _original(self, *args, **kwargs)
+
+            setattr(cls, record, counted_record)
+            stack.callback(setattr, cls, record, original_record)
+        setattr(cls, wait, counted_wait)
+        stack.callback(setattr, cls, wait, original_wait)
+
+
+def _count_waits(on_sync: Callable[[str], None], device: str, stack: contextlib.ExitStack) -> None:
+    """Wrap, until ``stack`` closes, the calls that make the host wait without reading a value."""
+    if device == "cpu":
+        _count_cpu_wait_points(on_sync, stack)
+        return
+    if device == "cuda":
+        _counting(torch.cuda.Event, "synchronize", "Event.synchronize", on_sync, stack)
+        _counting(torch.cuda.Stream, "synchronize", "Stream.synchronize", on_sync, stack)
+        _counting(torch.cuda, "synchronize", "synchronize", on_sync, stack)
+
+
 @contextlib.contextmanager
 def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Optional[str]) -> Iterator[None]:
     device = torch.device(device).type if device is not None else run_device_type()
@@ -164,8 +288,10 @@ def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Opt
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(cuda_mode)
     try:
-        with _FunctionWatch(on_sync, device), _DispatchWatch(on_sync, device):
-            yield
+        with contextlib.ExitStack() as stack:
+            _count_waits(on_sync, device, stack)
+            with _FunctionWatch(on_sync, device), _DispatchWatch(on_sync, device):
+                yield
     finally:
         if previous is not None:
             torch.cuda.set_sync_debug_mode(previous)
@@ -173,12 +299,14 @@ def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Opt
 
 @contextlib.contextmanager
 def count_host_syncs(device: Optional[str] = None) -> Iterator[HostSyncCounter]:
-    """Count host reads of tensor values inside the block, by op, with the Python line of each.
+    """Count the host's waits for the device inside the block, by op, with the Python line of each
+    (:attr:`HostSyncCounter.by_kind` sorts them into :data:`KINDS`).
 
-    Counted: ``aten._local_scalar_dense`` (what ``.item()``, ``bool()``, ``int()``, ``float()`` and a tensor in an
+    Reads: ``aten._local_scalar_dense`` (what ``.item()``, ``bool()``, ``int()``, ``float()`` and a tensor in an
     ``if`` reduce to), ``aten.is_nonzero``, ``aten.item``, ``aten.equal``, ``Tensor.tolist``/``numpy``, and on
-    accelerators data-dependent ops (``nonzero``, ``masked_select``) and blocking device-to-host copies.
-    Non-blocking copies into host memory are not counted: the host does not wait for them.
+    accelerators data-dependent ops (``nonzero``, ``masked_select``). Blocking copies (accelerators): a copy into host
+    memory that returns once it is done, which is any copy into pageable memory, ``non_blocking`` or not. Event,
+    stream and device waits: see the module's docstring (on the CPU, DeepSpeed's own wait points).
 
     ``device`` is where the run's tensors live (a device or its type; default :func:`run_device_type`). ``cpu``
     counts every read, of any tensor; an accelerator counts reads of tensors on that accelerator only.

@@ -135,9 +135,12 @@ def _patch_module(module: ModuleType, strict: bool, on: Mapping[str, bool]) -> P
 
 
 def _left_out(change: Change) -> tuple:
-    """The state of a default-on change that its switch (or ``UPSTREAM_ONLY``) leaves out."""
-    which = settings.UPSTREAM_ONLY if settings.upstream_only() else f"{change.switch}=0"
-    return (State.OFF, f"{which}: left out")
+    """The state of a change that its switch (or ``UPSTREAM_ONLY``, or being opt-in) leaves out."""
+    if settings.upstream_only():
+        return (State.OFF, f"{settings.UPSTREAM_ONLY}: left out")
+    if change.opt_in and not settings.flag(change.switch):
+        return (State.OFF, f"opt-in: {change.opt_in} ({change.switch}=1 turns it on)")
+    return (State.OFF, f"{change.switch}=0: left out")
 
 
 def _switched_on() -> Dict[str, bool]:

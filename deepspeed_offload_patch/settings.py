@@ -77,12 +77,13 @@ def upstream_only() -> bool:
 
 def change_on(change) -> bool:
     """Whether to apply ``change`` (a :class:`~deepspeed_offload_patch.changes.record.Change`): the upstream change
-    always (``DS_OFFLOAD_PATCH_DISABLE`` aside); any other unless its switch is false or ``UPSTREAM_ONLY`` is true. An
-    odd value of either reads as the one that leaves the change out, with a warning."""
+    always (``DS_OFFLOAD_PATCH_DISABLE`` aside); any other unless its switch is false or ``UPSTREAM_ONLY`` is true, and
+    an opt-in one (``change.opt_in``) only when its switch is true. An odd value of either reads as the one that
+    leaves the change out, with a warning."""
     if change.switch is None:
         return True
     return not upstream_only() and flag(
-        change.switch, odd=False, unset=True, odd_means=f"so {change.title} is left out")
+        change.switch, odd=False, unset=not change.opt_in, odd_means=f"so {change.title} is left out")
 
 
 def skip_log_on() -> bool:

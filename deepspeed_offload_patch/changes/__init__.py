@@ -9,8 +9,9 @@ Order is the order ``status`` and ``check`` report them in; the first is the ups
 
 from typing import Tuple
 
-from deepspeed_offload_patch.changes import (bf16_check, grad_accumulation, grad_norm, invalid_norm, overflow_flag,
-                                             rank_agreement, several_backwards, skipped_step, zero3_overflow)
+from deepspeed_offload_patch.changes import (bf16_check, event_waits, grad_accumulation, grad_norm, invalid_norm,
+                                             overflow_flag, rank_agreement, several_backwards, skipped_step,
+                                             zero3_overflow)
 from deepspeed_offload_patch.changes.record import Change, Target
 
 CHANGES: Tuple[Change, ...] = (
@@ -23,6 +24,7 @@ CHANGES: Tuple[Change, ...] = (
     bf16_check.CHANGE,
     rank_agreement.CHANGE,
     zero3_overflow.CHANGE,
+    event_waits.CHANGE,
 )
 #: The upstream change: the package's ``state``, ``reason`` and ``diff``'s default.
 UPSTREAM = CHANGES[0]

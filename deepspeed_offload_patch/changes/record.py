@@ -127,6 +127,8 @@ class Change:
     * ``target``: the class whose methods it replaces (:data:`ZERO_1_2` unless it says otherwise).
     * ``default``: set (with no ``forms``) for a change that sets a config default (:class:`Default`) of its target
       class instead of replacing methods; its ``decide`` computes the class attributes that carry the new default.
+    * ``opt_in``: set for a change that is off unless its switch is ``1``, and says why (``not yet proven on a GPU``):
+      ``status`` reports it ``off`` with ``opt-in: <why>``.
     * ``corrects_training``: where it applies, it changes what a job learns on purpose (DeepSpeed trains on the wrong
       gradient there, or applies a step with an inf/NaN): the equivalence harness then compares the patched runs that
       reach its defect with unpatched DeepSpeed plus the changes that correct training
@@ -152,6 +154,7 @@ class Change:
     corrects_training: bool = False
     target: Target = ZERO_1_2
     default: Optional[Default] = None
+    opt_in: str = ""
 
     @property
     def switch(self) -> Optional[str]:

@@ -15,19 +15,20 @@ FLOORS = {
     # mechanisms that know nothing of the rest.
     0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
-        "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.several_backwards.methods",
-        "changes.zero3_overflow.methods", "changes.invalid_norm.methods", "changes.rank_agreement.methods",
-        "changes.bf16_check.default"),
+        "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.event_waits.methods",
+        "changes.several_backwards.methods", "changes.zero3_overflow.methods", "changes.invalid_norm.methods",
+        "changes.rank_agreement.methods", "changes.bf16_check.default"),
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one; the line said for a skipped step.
     1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
-        "changes.grad_accumulation.probe", "changes.several_backwards.probe", "changes.zero3_overflow.probe",
-        "changes.invalid_norm.probe", "changes.rank_agreement.probe", "audit.counts", "skip_log"),
+        "changes.grad_accumulation.probe", "changes.event_waits.probe", "changes.several_backwards.probe",
+        "changes.zero3_overflow.probe", "changes.invalid_norm.probe", "changes.rank_agreement.probe", "audit.counts",
+        "skip_log"),
     2: ("changes.record", ),  # what a change declares
     3: ("guard", ),  # the decision whether to patch, given a change
-    4: ("changes.overflow_flag", "changes.grad_norm", "changes.skipped_step", "changes.grad_accumulation",
-        "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm", "changes.rank_agreement",
-        "changes.bf16_check"),  # one record each
+    4: ("changes.event_waits", "changes.overflow_flag", "changes.grad_norm", "changes.skipped_step",
+        "changes.grad_accumulation", "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm",
+        "changes.rank_agreement", "changes.bf16_check"),  # one record each
     5: ("changes", ),  # the registry
     # What status() reports; what a change installs on a class; what one inf does to a job, as recorded.
     6: ("patch_status", "replacements", "one_inf"),
