@@ -87,10 +87,13 @@ VARIANT_CHANGES = {"fixed-differently": {"skipped-step": State.UPSTREAM_FIXED}}
 def changes_result(status: dict, release: str, variant: str = "", fixed: bool = False) -> dict:
     """Each change beside the upstream one, by its key in ``status --json``: the state ``status`` read (``changes``)
     and the one it must read (``changes_expected``): applied where the release has a form of the change
-    (upstream-fixed with the diffs applied, ``fixed``), not-needed where it has none, or the variant's own."""
+    (upstream-fixed with the diffs applied, ``fixed``), not-needed where it has none, off for an opt-in change with
+    the default switches, or the variant's own."""
     expected = {}
     for change in OTHERS:
         state = (State.UPSTREAM_FIXED if fixed else State.APPLIED) if change.covers(release) else State.NOT_NEEDED
+        if change.opt_in and not fixed:  # off unless switched on (the diff step switches every change on)
+            state = State.OFF
         expected[change.state_key] = VARIANT_CHANGES.get(variant, {}).get(change.name, state)
     return {"changes": {key: status.get(key) for key in expected}, "changes_expected": expected}
 

@@ -10,18 +10,23 @@ by the Trainer at run time: where one decides a defect, the answer is ``maybe``.
 ``offload_optimizer`` has them, and a change's ``affects`` narrows that where the defect needs more (a precision, an
 accumulation dtype).
 
+Then the host waits per tensor the job makes on a GPU, each with its kind and what removes it: the defects above
+that are such waits (a change's record says which), and those that a setting or a DeepSpeed release removes instead
+(:mod:`.waits`: ``pin_memory``, ZeRO-3's copies up to 0.19.4).
+
 A last line names what one inf/NaN gradient does to the job, unpatched and with the package's defaults, as
 ``nox -s outcomes`` recorded it on the release that stands for the installed one (:mod:`.one_inf`).
 
 Exit code: 0 when the job has no defect that stays (none, or each fixed here by default), 1 when it has one (or
-may have one, with ``"auto"``), 2 when the config cannot be read.
+may have one, with ``"auto"``), 2 when the config cannot be read. The defect of an opt-in change (off until it is
+proven, ``status`` says why) and the waits that a setting removes are reported but do not count.
 """
 
 import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from deepspeed_offload_patch import one_inf
+from deepspeed_offload_patch import one_inf, waits
 from deepspeed_offload_patch.changes import CHANGES, OTHERS
 from deepspeed_offload_patch.states import State
 
@@ -42,15 +47,17 @@ class Job:
     grad_accum_dtype: Optional[str]
     grad_accum: Union[int, str] = 1  # gradient_accumulation_steps (1 by default)
     offload_param: bool = False  # ZeRO-3's offload_param to a device
+    pin_memory: Optional[bool] = None  # offload_optimizer's; None where the config leaves it to the release's default
 
     def text(self) -> str:
         check = ""
         if self.precision in ("bf16", AUTO):
             value = self.check_grad_overflow
             check = f" (check_grad_overflow {'unset' if value is None else _word(value, 'on', 'off')})"
-        return (f"ZeRO-{self.stage}, offload_optimizer {self.offload or 'none'}, {self.precision}{check}, "
-                f"grad_accum_dtype {self.grad_accum_dtype or 'as the precision'}, gradient_accumulation_steps "
-                f"{self.grad_accum}")
+        pin = f" (pin_memory {'unset' if self.pin_memory is None else _word(self.pin_memory, 'true', 'false')})"
+        return (f"ZeRO-{self.stage}, offload_optimizer {self.offload or 'none'}{pin if self.offload else ''}, "
+                f"{self.precision}{check}, grad_accum_dtype {self.grad_accum_dtype or 'as the precision'}, "
+                f"gradient_accumulation_steps {self.grad_accum}")
 
 
 @dataclass
@@ -62,11 +69,14 @@ class Finding:
     why: str
     fixed: str  # "yes", "no" or "-" (nothing to fix)
     change: str  # the change and its state here
+    wait: str = ""  # the kind of host wait per tensor the defect is (the change's record), or ""
+    opt_in: str = ""  # why the change is off unless switched on, for an opt-in change
 
     @property
     def stays(self) -> bool:
-        """The job has (or may have) the defect, and no default change fixes it here."""
-        return self.affected != NO and self.fixed == NO
+        """The job has (or may have) the defect, and no default change fixes it here (an opt-in change's defect does
+        not count: the package does not fix it by default yet)."""
+        return self.affected != NO and self.fixed == NO and not self.opt_in
 
 
 def _word(value: Any, true: str, false: str) -> str:
@@ -89,6 +99,7 @@ def read_job(config: Dict[str, Any]) -> Job:
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     offload = (zero.get("offload_optimizer") or {}) if isinstance(zero, dict) else {}
     device = offload.get("device") if isinstance(offload, dict) else None
+    pin = offload.get("pin_memory") if isinstance(offload, dict) else None
     param = (zero.get("offload_param") or {}) if isinstance(zero, dict) else {}
     param_device = param.get("device") if isinstance(param, dict) else None
     bf16 = config.get("bf16", config.get("bfloat16"))
@@ -112,7 +123,8 @@ def read_job(config: Dict[str, Any]) -> Job:
                check_grad_overflow=check if check in (AUTO, None) else bool(check),
                grad_accum_dtype=accum,
                grad_accum=steps if steps == AUTO or isinstance(steps, int) else 1,
-               offload_param=param_device not in (None, "none"))
+               offload_param=param_device not in (None, "none"),
+               pin_memory=None if pin in (None, AUTO) else bool(pin))
 
 
 def _offloaded(job: Job, stages: Tuple[int, ...]) -> str:
@@ -143,17 +155,53 @@ def findings(job: Job, status) -> List[Finding]:
         state = status.of(change)[0]
         defect, what = change.defect[0], f"{change.title}: {state}"
         affected, why = change.affects(job) if change.affects is not None else (YES, "")
+        kind = dict(wait=change.wait, opt_in=change.opt_in)
         if offloaded == NO or affected == NO:
-            found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what))
+            found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what, **kind))
         elif state in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
-            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what))
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what, **kind))
         elif state in (State.OFF, State.DISABLED) and _needless_here(change, status.deepspeed_version):
-            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}, and not needed there", "-", what))
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}, and not needed there", "-", what, **kind))
         else:
             found.append(
                 Finding(defect, MAYBE if MAYBE in (offloaded, affected) else YES, f"{where}, {why}" if why else where,
-                        YES if state == State.APPLIED else NO, what))
+                        YES if state == State.APPLIED else NO, what, **kind))
     return found
+
+
+@dataclass
+class Wait:
+    """One host wait per tensor that the job makes on a GPU: its kind, what it is, whether the job has it (yes,
+    maybe), and what removes it here (``removed``: a change applied here removes it)."""
+
+    kind: str
+    what: str
+    affected: str
+    why: str
+    removed_by: str
+    removed: bool
+
+
+def host_waits(job: Job, status, found: List[Finding]) -> List[Wait]:
+    """The host waits per tensor the job has (or may have) on a GPU with the DeepSpeed ``status`` describes: the
+    ``found`` defects that are such waits (the change that removes each, and whether it is applied), then those of
+    :data:`deepspeed_offload_patch.waits.WAITS` (the setting or release that removes each)."""
+    titles = {change.defect[0]: change for change in CHANGES}
+    listed = []
+    for finding in found:
+        change = titles[finding.defect]
+        if finding.wait and finding.affected != NO:
+            state = finding.change.split(": ", 1)[1]
+            opt_in = f": opt-in, {change.switch}=1 turns it on" if finding.opt_in and finding.fixed != YES else ""
+            how = f"{change.title} ({state}{opt_in})"
+            listed.append(
+                Wait(finding.wait, change.defect[1], finding.affected, finding.why, how, finding.fixed == YES))
+    release = waits.release(status.deepspeed_version)
+    for wait in waits.WAITS:
+        affected, why = wait.applies(job, release)
+        if affected != NO:
+            listed.append(Wait(wait.kind, wait.what, affected, why, wait.removed_by, False))
+    return listed
 
 
 def _needless_here(change, version: Optional[str]) -> bool:
@@ -186,6 +234,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
     code = 1 if any(finding.stays for finding in found) else 0
     shape = one_inf.cell_key(job.stage, job.offload_param, job.precision, job.check_grad_overflow, job.grad_accum)
     recorded = one_inf.outcome(status.deepspeed_version, shape) if job.offload else None
+    stalls = host_waits(job, status, found)
     if as_json:
         print(
             json.dumps(
@@ -195,6 +244,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
                     "python": platform.python_version(),
                     "job": asdict(job),
                     "defects": [asdict(finding) for finding in found],
+                    "host_waits": [asdict(wait) for wait in stalls],
                     "one_inf": asdict(recorded) if recorded else None,
                     "exit": code
                 },
@@ -212,6 +262,11 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
             verdict = f"{'affected' if finding.affected == YES else 'maybe affected'} ({finding.why}); " \
                       f"{fix[finding.fixed]}"
         print(f"{titles[finding.defect]}: {verdict} [{finding.change}]")
+    print(f"host waits per tensor on a GPU: {'none known' if not stalls else len(stalls)}")
+    for wait in stalls:
+        has = "" if wait.affected == YES else "maybe: "
+        fate = f"removed by {wait.removed_by}" if wait.removed else f"stays: removed by {wait.removed_by}"
+        print(f"  {wait.kind}: {has}{wait.what} ({wait.why}); {fate}")
     print(_one_inf_line(job, status, recorded))
     return code
 
@@ -224,8 +279,15 @@ def _one_inf_line(job: Job, status, recorded: Optional[one_inf.Outcome]) -> str:
     if recorded is None:
         return (f"one inf/NaN: not recorded for this job on DeepSpeed {status.deepspeed_version or '(not installed)'}"
                 " (a setting left to \"auto\", a stage outside 1 - 3, or a release past those recorded)")
-    off = [change.title for change in OTHERS if status.of(change)[0] == State.OFF]
+    # An opt-in change that is off is as the defaults have it.
+    off = [change.title for change in OTHERS if status.of(change)[0] == State.OFF and not _off_by_default(change)]
     if status.state == State.DISABLED:
         off = ["the whole package (disabled)"]
     note = f"; here {', '.join(off)} off, so the unpatched outcome may apply" if off else ""
     return recorded.text() + note
+
+
+def _off_by_default(change) -> bool:
+    """An opt-in change whose switch does not turn it on: off, as the package's defaults leave it."""
+    from deepspeed_offload_patch import settings
+    return bool(change.opt_in) and not settings.upstream_only() and not settings.flag(change.switch)

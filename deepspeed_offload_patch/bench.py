@@ -14,8 +14,11 @@ Each variant runs in its own set of spawned ranks (the patch is chosen per proce
 (1, 2), precision (bf16 with the overflow check on, bf16 with it off, fp32) and model size N (``N / 2`` small
 Linear layers), with the optimizer offloaded to the CPU and gradient accumulation 2:
 
-* host syncs (``count_host_syncs``) in the boundary backward, in ``step()`` and in the whole optimizer step (every
-  micro-step's forward and backward, then ``step()``), counted in the first step;
+* host syncs: the reads of tensor values that ``count_host_syncs`` counts, in the boundary backward, in ``step()``
+  and in the whole optimizer step (every micro-step's forward and backward, then ``step()``), counted in the first
+  step; beside them every kind of host wait it counts (reads, event and stream waits, device syncs, blocking copies:
+  ``{phase}_waits``; on the CPU, DeepSpeed's own wait points), and a fourth variant, every change on (the opt-in ones
+  too), whose whole step must make as many of each kind at every N;
 * wall time of the same three: median over the measured steps after warm-up, the slowest rank's;
 * time spent in ``update_offload_overflow_tracker`` itself per boundary backward, and the number of PyTorch ops it
   runs (with the check off, the patched tracker runs none);
@@ -25,8 +28,8 @@ Linear layers), with the optimizer offloaded to the CPU and gradient accumulatio
 Prints a table with unpatched/patched ratios, writes JSON and a PNG plot per stage (matplotlib); with ``--readme
 PATH``, writes the table into PATH and its JSON beside it (``docs/benchmark.json``), from which the docs test renders
 the table again. Exits 1 if a patched boundary backward synchronizes with the host, if the whole step with the
-on-device grad norm makes a different number of host syncs at one N than at another, if a patched run was not
-patched, or if a run crashes (with its traceback); 2 on a DeepSpeed before 0.17.1.
+on-device grad norm makes a different number of host syncs at one N than at another, if with every change on it
+makes a different number of host waits of some kind, if a patched run was not patched, or if a run crashes (with its traceback); 2 on a DeepSpeed before 0.17.1.
 """
 
 import argparse
@@ -40,11 +43,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from deepspeed_offload_patch import settings
-from deepspeed_offload_patch.changes import by_name
+from deepspeed_offload_patch.changes import CHANGES, by_name
 # The rendering of the results; render_table and render_cuda_table re-exported here (bench.render_table).
-from deepspeed_offload_patch.bench_report import GRAD_ACCUM, GRAD_NORM, _growing_whole_steps, _write_readme, plot
+from deepspeed_offload_patch.bench_report import (ALL_CHANGES, GRAD_ACCUM, GRAD_NORM, _growing_whole_steps,
+                                                  _write_readme, plot)
 from deepspeed_offload_patch.bench_report import render_cuda_table, render_readme, render_table  # noqa: F401
-from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.hostsync import KINDS, count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step
@@ -75,6 +79,16 @@ VARIANTS = {
     "patched+grad-norm": {
         settings.DISABLE: "0",
         GRAD_NORM: "1"
+    },
+    # The defaults and every opt-in change: what the package can do today.
+    ALL_CHANGES: {
+        settings.DISABLE: "0",
+        settings.UPSTREAM_ONLY: "0",
+        GRAD_NORM: "1",
+        **{
+            change.switch: "1"
+            for change in CHANGES if change.opt_in
+        }
     },
 }
 # What the host waits on, as torch.profiler names it on CUDA.
@@ -173,10 +187,12 @@ def _measure(stage: int,
                 probe.count_ops = phase == "backward"
                 with count_host_syncs() as syncs:
                     run()
-                result[f"{phase}_syncs"] = syncs.total
+                result[f"{phase}_syncs"] = syncs.reads
+                result[f"{phase}_waits"] = syncs.by_kind
             probe.count_ops = False
             result["tracker_ops"] = probe.ops
             result["whole_syncs"] = sum(result[f"{phase}_syncs"] for phase in PHASES)
+            result["whole_waits"] = {kind: sum(result[f"{phase}_waits"][kind] for phase in PHASES) for kind in KINDS}
             continue
         if profiled and step == 1:  # the profiled step, not timed either
             cuda = {phase: _cuda_sync_events(run) for phase, run in phases.items()}
@@ -230,6 +246,8 @@ def _combine(per_rank: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
             row[f"{key}_max"] = max(r[key] for r in ranks)
         for key in [f"{phase}_s" for phase in PHASES + ("whole", "tracker")]:
             row[key] = max(r[key] for r in ranks)
+        for key in [f"{phase}_waits" for phase in PHASES + ("whole", )]:
+            row[f"{key}_max"] = {kind: max(r[key][kind] for r in ranks) for kind in KINDS}
         rows.append(row)
     return rows
 
@@ -246,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0],
         epilog="Needs DeepSpeed 0.17.1 or later. Exit: 0; 1 if a patched boundary "
         "backward synchronizes with the host, the whole step with the on-device grad norm "
-        "makes a different number of host syncs at one N than at another, a patched run "
+        "makes a different number of host syncs at one N than at another, the whole step with every change on "
+        "makes a different number of host waits of some kind, a patched run "
         "was not patched, or a run crashed; 2 on a DeepSpeed before 0.17.1.")
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", help="parameter tensors (default 50 200 800 3200)")
@@ -360,10 +379,13 @@ def main(argv=None) -> int:
     growing = _growing_whole_steps(results["patched+grad-norm"])
     for line in growing:
         print(f"FAIL: patched with the on-device grad norm, the whole step's host syncs grow with N: {line}")
-    not_patched = [v for v in ("patched", "patched+grad-norm") if results[v][0]["state"] != State.APPLIED]
+    waiting = _growing_whole_steps(results[ALL_CHANGES], kinds=True)
+    for line in waiting:
+        print(f"FAIL: with every change on, the whole step's host waits grow with N: {line}")
+    not_patched = [v for v in ("patched", "patched+grad-norm", ALL_CHANGES) if results[v][0]["state"] != State.APPLIED]
     for variant in not_patched:
         print(f"FAIL: the {variant} run was not patched ({results[variant][0]['state']})")
-    return 1 if bad or growing or not_patched else 0
+    return 1 if bad or growing or waiting or not_patched else 0
 
 
 if __name__ == "__main__":

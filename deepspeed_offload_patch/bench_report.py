@@ -6,11 +6,14 @@ measures them)."""
 from typing import Any, Dict, List
 
 from deepspeed_offload_patch.changes import by_name
+from deepspeed_offload_patch.waits import KINDS
 
 #: Micro-steps per optimizer step in every measured run.
 GRAD_ACCUM = 2
 # The on-device grad norm's own switch: the benchmark measures it apart from the boundary backward's fix.
 GRAD_NORM = by_name("grad-norm").switch
+#: The variant with every change on, the opt-in ones too.
+ALL_CHANGES = "all-changes"
 PHASE_NAMES = {"backward": "boundary backward", "step": "step()", "whole": "whole step"}
 
 
@@ -30,15 +33,22 @@ def render_cuda_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _growing_whole_steps(rows: List[Dict[str, Any]]) -> List[str]:
-    """For each stage and mode measured at more than one N: its whole-step counts, where they are not all equal."""
-    by_config: Dict[tuple, Dict[int, int]] = {}
+def _growing_whole_steps(rows: List[Dict[str, Any]], kinds: bool = False) -> List[str]:
+    """For each stage and mode measured at more than one N: its whole-step counts of host syncs (with ``kinds``: of
+    host waits, by kind), where they are not all equal."""
+    by_config: Dict[tuple, Dict[int, Any]] = {}
     for r in rows:
-        by_config.setdefault((r["stage"], r["mode"]), {})[r["n"]] = r["whole_syncs_max"]
+        count = _kinds_text(r["whole_waits_max"]) if kinds else r["whole_syncs_max"]
+        by_config.setdefault((r["stage"], r["mode"]), {})[r["n"]] = count
     return [
         f"ZeRO-{stage} {mode}: " + ", ".join(f"N={n} {count}" for n, count in sorted(counts.items()))
         for (stage, mode), counts in by_config.items() if len(set(counts.values())) > 1
     ]
+
+
+def _kinds_text(waits: Dict[str, int]) -> str:
+    """``read 3, event wait 1`` (the kinds seen; ``none`` when none was)."""
+    return ", ".join(f"{kind} {count}" for kind, count in waits.items() if count) or "none"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -67,12 +77,31 @@ def render_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
                      f"| {three('step_s', 1e3)} | {three('whole_s', 1e3)} "
                      f"| {u['tracker_s'] * 1e3:.2f} / {p['tracker_s'] * 1e3:.2f} "
                      f"| {u['tracker_ops']} / {p['tracker_ops']} |")
+    if "whole_waits_max" in un[0] and ALL_CHANGES in results:
+        lines += ["", render_waits_table(results).rstrip("\n")]
     if "cuda" in un[0]:
         lines += [
             "", "CUDA, one step per rank; unpatched / patched / +grad norm; counted: the host-sync counter, the rest "
             "recorded by torch.profiler", "",
             render_cuda_table(results).rstrip("\n")
         ]
+    return "\n".join(lines) + "\n"
+
+
+def render_waits_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
+    """The host waits of the whole optimizer step by kind (reads, event and stream waits, device syncs, blocking
+    copies; on the CPU accelerator, DeepSpeed's own wait points), the slowest rank's: unpatched / the package's
+    defaults / every change on."""
+    variants = ("unpatched", "patched+grad-norm", ALL_CHANGES)
+    lines = [
+        "Host waits of the whole optimizer step, by kind: unpatched / defaults / every change on (opt-in ones too)",
+        "", "| stage | mode | N | " + " | ".join(f"{kind}s" for kind in KINDS) + " |",
+        "|" + " --- |" * (3 + len(KINDS))
+    ]
+    for rows in zip(*(results[v] for v in variants)):
+        first = rows[0]
+        cells = [" / ".join(str(r["whole_waits_max"][kind]) for r in rows) for kind in KINDS]
+        lines.append(f"| {first['stage']} | {first['mode']} | {first['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,7 +124,7 @@ def plot(results: Dict[str, List[Dict[str, Any]]], path: str, stage: int) -> boo
                 if not points:
                     continue
                 xs, ys = zip(*points)
-                style = {"unpatched": "-", "patched": "--", "patched+grad-norm": ":"}[variant]
+                style = {"unpatched": "-", "patched": "--", "patched+grad-norm": ":", ALL_CHANGES: "-."}[variant]
                 ax.plot(xs, [max(y, 0.5 if "syncs" in key else y) for y in ys],
                         style,
                         marker="o",

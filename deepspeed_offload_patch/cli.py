@@ -140,7 +140,9 @@ def _status_command(args) -> int:
         return status_exit_code(status)
 
     def methods(change) -> None:
-        # status.methods holds each method by its key: the bare name on ZeRO-1/2's class, Class.name on another.
+        # Findings by key (bare on ZeRO-1/2's class, else Class.name); none for a change left out (they'd be another's)
+        if not change.upstream and status.of(change)[0] in (State.OFF, State.DISABLED):
+            return
         keys = {change.key(name): name for name in change.method_names}
         for key, finding in status.methods.items():
             if key in keys and (change.upstream or not any(key in other_keys for other_keys in upstream_keys)):
@@ -193,7 +195,8 @@ def _check_command(args) -> int:
     # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
     python = f"Python {platform.python_version()}"
     if code == 0:
-        others = ", ".join(f"{change.title} {status.of(change)[0]}" for change in OTHERS)
+        opt_in = {c.name: " (opt-in)" for c in OTHERS if c.opt_in and status.of(c)[0] == State.OFF}  # as by default
+        others = ", ".join(f"{c.title} {status.of(c)[0]}{opt_in.get(c.name, '')}" for c in OTHERS)
         print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, {others} ({python})")
     elif exit_code(status.state):
         print(f"ds-offload-patch check: FAIL ({status.state}, {python}): {status.reason}; "

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import torch
 
 from deepspeed_offload_patch import settings
-from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.hostsync import READ, count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.launch import run_distributed
 from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step, params_snapshot
@@ -47,12 +47,12 @@ def _rank_job(num_tensors: int, stage: int, steps: int, nan_step: int, dtype: st
                 handle = poisoned.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))
             loss = engine(batch(engine, step * GRAD_ACCUM + micro))
             is_boundary = engine.is_gradient_accumulation_boundary()
-            with count_host_syncs() as syncs:
+            with count_host_syncs(kinds=(READ, )) as syncs:
                 engine.backward(loss)
             (boundary if is_boundary else inner).append(syncs.total)
             if handle is not None:
                 handle.remove()
-            with count_host_syncs() as syncs:
+            with count_host_syncs(kinds=(READ, )) as syncs:
                 optimizer_step(engine)
             if is_boundary:
                 in_step.append(syncs.total)

@@ -1,7 +1,8 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
 """Host synchronizations seen at PyTorch's dispatcher: the one mechanism the guard's probe, the audit, ``verify``, the
-benchmark and the test helpers count with. It imports nothing of this package.
+benchmark and the test helpers count with. Of this package it imports only the names of the kinds of wait
+(:mod:`deepspeed_offload_patch.waits`).
 
 * :func:`count_host_syncs` counts the host's waits for the device by op and by kind (:data:`KINDS`: reads of tensor
   values, event waits, stream waits, device syncs, blocking copies), with the Python line of each.
@@ -30,15 +31,19 @@ import os
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The kinds of host wait (re-exported): defined beside the waits that affected lists, where torch is not imported.
+from deepspeed_offload_patch.waits import (BLOCKING_COPY, COPY_OP, DEVICE_SYNC, EVENT_WAIT, KINDS, OFFLOAD_WAIT_OP,
+                                           READ, STREAM_WAIT, kind_of)
+
 __all__ = [
     "HostSyncError", "HostSyncCounter", "RaisingBoolTensor", "count_host_syncs", "no_host_sync", "on_the_cpu",
-    "run_device_type", "KINDS", "READ", "EVENT_WAIT", "STREAM_WAIT", "DEVICE_SYNC", "BLOCKING_COPY"
+    "run_device_type", "kind_of", "KINDS", "READ", "EVENT_WAIT", "STREAM_WAIT", "DEVICE_SYNC", "BLOCKING_COPY"
 ]
 
 aten = torch.ops.aten
@@ -57,38 +62,17 @@ _DATA_DEPENDENT_OPS = {
 }
 _SKIP_FILES = (os.path.dirname(torch.__file__), os.path.abspath(__file__), contextlib.__file__)
 
-#: The kinds of host wait, each its own column in ``audit`` and ``bench``: a read of a tensor's value (``.item()``, an
-#: ``if`` on a tensor), a wait on an event, on a stream, on the whole device, and a copy into host memory that
-#: returns only once it is done.
-READ, EVENT_WAIT, STREAM_WAIT, DEVICE_SYNC, BLOCKING_COPY = ("read", "event wait", "stream wait", "device sync",
-                                                             "blocking copy")
-KINDS = (READ, EVENT_WAIT, STREAM_WAIT, DEVICE_SYNC, BLOCKING_COPY)
-_COPY = "device-to-host copy"
-_OFFLOAD_WAIT = "ZeRO offload copy wait"
-#: The kind of each op that is not a read.
-_KIND_OF = {
-    _COPY: BLOCKING_COPY,
-    "Event.synchronize": EVENT_WAIT,
-    _OFFLOAD_WAIT: EVENT_WAIT,
-    "Stream.synchronize": STREAM_WAIT,
-    "synchronize": DEVICE_SYNC,
-}
 #: Where DeepSpeed waits on a device whose waits the CPU accelerator makes no-ops: ``(module, class, the method that
 #: records a copy or None, the method that waits, the op it counts as)``. A wait counts only when a copy was recorded
 #: on the same object since its last wait (or, with no recording method, always): with nothing recorded the GPU's
 #: wait has nothing to wait for.
 _CPU_WAIT_POINTS = (("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_record_offload_copy",
-                     "_wait_for_offload_copies", _OFFLOAD_WAIT), )
+                     "_wait_for_offload_copies", OFFLOAD_WAIT_OP), )
 
 #: The objects (by id) that recorded a copy since their last wait, kept across counters: a backward counted by one
 #: counter and the ``step()`` that waits for its copies counted by the next still make a wait. A copy recorded while
 #: no counter is open is not seen.
 _RECORDED: Dict[Tuple[str, str], set] = {}
-
-
-def kind_of(op: str) -> str:
-    """The kind (one of :data:`KINDS`) of the host wait that :func:`count_host_syncs` calls ``op``."""
-    return _KIND_OF.get(op, READ)
 
 
 class HostSyncError(RuntimeError):
@@ -140,7 +124,7 @@ def _classify(func, args, kwargs, device: str) -> Optional[str]:
     if func in _DATA_DEPENDENT_OPS and _device_type(args[0]) not in ("cpu", "meta"):
         return _DATA_DEPENDENT_OPS[func]
     if _blocking_device_to_host(func, args, kwargs):
-        return _COPY
+        return COPY_OP
     return None
 
 
@@ -281,15 +265,26 @@ def _count_waits(on_sync: Callable[[str], None], device: str, stack: contextlib.
 
 
 @contextlib.contextmanager
-def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Optional[str]) -> Iterator[None]:
+def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Optional[str],
+           kinds: Sequence[str]) -> Iterator[None]:
     device = torch.device(device).type if device is not None else run_device_type()
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"no such kind of host wait: {sorted(unknown)} (kinds: {', '.join(KINDS)})")
+    wanted = on_sync
+
+    def on_sync(op: str) -> None:
+        if kind_of(op) in kinds:
+            wanted(op)
+
     previous = None
     if cuda_mode is not None and torch.cuda.is_available():
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(cuda_mode)
     try:
         with contextlib.ExitStack() as stack:
-            _count_waits(on_sync, device, stack)
+            if set(kinds) - {READ, BLOCKING_COPY}:  # the waits that no op of the dispatcher shows
+                _count_waits(on_sync, device, stack)
             with _FunctionWatch(on_sync, device), _DispatchWatch(on_sync, device):
                 yield
     finally:
@@ -298,7 +293,7 @@ def _watch(on_sync: Callable[[str], None], cuda_mode: Optional[str], device: Opt
 
 
 @contextlib.contextmanager
-def count_host_syncs(device: Optional[str] = None) -> Iterator[HostSyncCounter]:
+def count_host_syncs(device: Optional[str] = None, kinds: Sequence[str] = KINDS) -> Iterator[HostSyncCounter]:
     """Count the host's waits for the device inside the block, by op, with the Python line of each
     (:attr:`HostSyncCounter.by_kind` sorts them into :data:`KINDS`).
 
@@ -309,7 +304,9 @@ def count_host_syncs(device: Optional[str] = None) -> Iterator[HostSyncCounter]:
     stream and device waits: see the module's docstring (on the CPU, DeepSpeed's own wait points).
 
     ``device`` is where the run's tensors live (a device or its type; default :func:`run_device_type`). ``cpu``
-    counts every read, of any tensor; an accelerator counts reads of tensors on that accelerator only.
+    counts every read, of any tensor; an accelerator counts reads of tensors on that accelerator only. ``kinds``:
+    the kinds counted (default all; ``(READ, )`` for the reads alone, what the upstream change is about).
+    Raises ValueError for a kind not in :data:`KINDS`.
     """
     counter = HostSyncCounter()
 
@@ -317,21 +314,21 @@ def count_host_syncs(device: Optional[str] = None) -> Iterator[HostSyncCounter]:
         counter.counts[op] += 1
         counter.events.append((op, _caller()))
 
-    with _watch(record, cuda_mode=None, device=device):
+    with _watch(record, cuda_mode=None, device=device, kinds=kinds):
         yield counter
 
 
 @contextlib.contextmanager
-def no_host_sync(device: Optional[str] = None) -> Iterator[None]:
-    """Raise :class:`HostSyncError` at the first host read inside the block (see :func:`count_host_syncs` for
-    what counts, and ``device``). The message names the op and the Python line. On CUDA,
-    ``torch.cuda.set_sync_debug_mode("error")`` is also on inside the block, and restored after it.
+def no_host_sync(device: Optional[str] = None, kinds: Sequence[str] = KINDS) -> Iterator[None]:
+    """Raise :class:`HostSyncError` at the first host wait inside the block of one of ``kinds`` (default every kind;
+    see :func:`count_host_syncs` for what counts, ``device`` and ``kinds``). The message names the op and the Python
+    line. On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is also on inside the block, and restored after it.
     """
 
     def fail(op: str) -> None:
         raise HostSyncError(f"host synchronization: {op} at {_caller()}")
 
-    with _watch(fail, cuda_mode="error", device=device):
+    with _watch(fail, cuda_mode="error", device=device, kinds=kinds):
         yield
 
 

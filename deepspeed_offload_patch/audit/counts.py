@@ -1,7 +1,8 @@
 # Copyright (c) deepspeed_offload_patch contributors.
 # SPDX-License-Identifier: Apache-2.0
-"""One audited process's counts (:class:`PhaseCounts`): host syncs per phase and optimizer step, with the source lines
-behind them, and the report each rank writes of them (:mod:`deepspeed_offload_patch.audit.rank` counts)."""
+"""One audited process's counts (:class:`PhaseCounts`): host syncs (reads of device values) per phase and optimizer
+step, with the source lines behind them, every kind of host wait per step, and the report each rank writes of them
+(:mod:`deepspeed_offload_patch.audit.rank` counts)."""
 
 import os
 import socket
@@ -11,6 +12,7 @@ from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from deepspeed_offload_patch.audit.report import PHASES, PIPELINE_PHASES
+from deepspeed_offload_patch.waits import KINDS, READ, kind_of
 
 _import_roots: Optional[List[str]] = None
 
@@ -52,6 +54,9 @@ class PhaseCounts:
         self.lines: Dict[str, Counter] = {phase: Counter() for phase in self.phases}
         self.current = self._empty()
         self.current_cuda: Optional[Dict[str, int]] = None
+        # The whole step's host waits by kind (reads, event waits, ...), one dict per step.
+        self.kind_steps: List[Dict[str, int]] = []
+        self.current_kinds = dict.fromkeys(KINDS, 0)
         self.cuda_available = True
         self.calls = 0
         self.done = False
@@ -73,9 +78,12 @@ class PhaseCounts:
 
     def add(self, phase: str, events, cuda: Optional[Dict[str, int]]) -> None:
         self.calls += 1
-        self.current[phase] += len(events)
         for op, where in events:
-            self.lines[phase][(_short(where), op)] += 1
+            kind = kind_of(op)
+            self.current_kinds[kind] += 1
+            if kind == READ:  # the phases and their lines count the host syncs (reads); the kinds, every wait
+                self.current[phase] += 1
+                self.lines[phase][(_short(where), op)] += 1
         if cuda is None:
             self.cuda_available = False
         elif self.cuda_available:
@@ -85,6 +93,8 @@ class PhaseCounts:
     def end_step(self) -> None:
         self.steps.append(self.current)
         self.cuda_steps.append(self.current_cuda)
+        self.kind_steps.append(self.current_kinds)
+        self.current_kinds = dict.fromkeys(KINDS, 0)
         self.current = self._empty()
         self.current_cuda = None
         if len(self.steps) >= self.steps_wanted:
@@ -110,6 +120,7 @@ class PhaseCounts:
             "phases": list(self.phases),
             "steps": self.steps,
             "cuda_syncs": self.cuda_steps if cuda else None,
+            "kinds": self.kind_steps,
             "top": {
                 phase: [{
                     "line": line,

@@ -153,12 +153,27 @@ def table(reports: List[Dict], top: int = 3) -> str:
         "", f"[ds-offload-patch audit] host syncs per optimizer step (one number per step), {_header(reports)}",
         _columns(False, _columns_of(reports))
     ] + _rows(reports, columns=_columns_of(reports))
+    lines.extend(kinds_lines(reports))
     lines.append("top lines per phase (host syncs summed over ranks and counted steps):")
     for phase in phases_of(reports):
         found = top_lines(reports, phase, top)
         lines.append(f"  {PHASE_TITLES[phase]}:" + ("" if found else " none"))
         lines.extend(f"    {line}" for line in found)
     return "\n".join(lines)
+
+
+def kinds_lines(reports: List[Dict]) -> List[str]:
+    """The whole step's host syncs by kind, one line per rank (``rank 0: read 5/5/5, event wait 16/16/16``: one
+    number per counted step; only the kinds seen). Empty for reports written before the kinds were counted."""
+    reports = [report for report in reports if report.get("kinds")]
+    if not reports:
+        return []
+    lines = ["host syncs of the whole step by kind (one number per step):"]
+    for report in reports:
+        kinds = [kind for kind in report["kinds"][0] if any(step.get(kind) for step in report["kinds"])]
+        counts = ", ".join(f"{kind} {_fmt([step[kind] for step in report['kinds']])}" for kind in kinds)
+        lines.append(f"  rank {report['rank']}: {counts or 'none'}")
+    return lines
 
 
 def compare_table(runs: Dict[str, List[Dict]], top: int = 3) -> str:

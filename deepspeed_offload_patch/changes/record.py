@@ -128,7 +128,9 @@ class Change:
     * ``default``: set (with no ``forms``) for a change that sets a config default (:class:`Default`) of its target
       class instead of replacing methods; its ``decide`` computes the class attributes that carry the new default.
     * ``opt_in``: set for a change that is off unless its switch is ``1``, and says why (``not yet proven on a GPU``):
-      ``status`` reports it ``off`` with ``opt-in: <why>``.
+      ``status`` reports it ``off`` with ``opt-in: <why>``, and ``affected``'s exit code does not count its defect.
+    * ``wait``: for a defect that is a host wait per tensor on a GPU, its kind (``read``, ``event wait``, ...:
+      :data:`deepspeed_offload_patch.waits.KINDS`); empty for a defect in what the job learns.
     * ``corrects_training``: where it applies, it changes what a job learns on purpose (DeepSpeed trains on the wrong
       gradient there, or applies a step with an inf/NaN): the equivalence harness then compares the patched runs that
       reach its defect with unpatched DeepSpeed plus the changes that correct training
@@ -155,6 +157,7 @@ class Change:
     target: Target = ZERO_1_2
     default: Optional[Default] = None
     opt_in: str = ""
+    wait: str = ""
 
     @property
     def switch(self) -> Optional[str]:

@@ -28,7 +28,7 @@ import torch
 
 from deepspeed_offload_patch import settings
 from deepspeed_offload_patch.changes import OTHERS
-from deepspeed_offload_patch.hostsync import count_host_syncs
+from deepspeed_offload_patch.hostsync import READ, count_host_syncs
 from deepspeed_offload_patch.states import State
 from deepspeed_offload_patch.testing.installed import flag_is_read, has_defect, per_param_tracker
 from deepspeed_offload_patch.testing.launch import HANG_GUARD_S, run_distributed
@@ -475,7 +475,7 @@ def _train_step(engine, run: Run, step: int) -> Tuple[Any, int]:
             inputs.append((step + micro) % 2 == 0)
         loss = engine(*inputs)
         if boundary:
-            with count_host_syncs(device="cpu") as counter:
+            with count_host_syncs(device="cpu", kinds=(READ, )) as counter:
                 engine.backward(loss)
             syncs = counter.total
         else:

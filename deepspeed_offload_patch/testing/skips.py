@@ -189,7 +189,7 @@ def step_host_syncs(cell: outcomes.Cell, tensors: int) -> Dict[str, int]:
     import deepspeed
     from deepspeed import comm as dist
 
-    from deepspeed_offload_patch.hostsync import count_host_syncs
+    from deepspeed_offload_patch.hostsync import READ, count_host_syncs
     from deepspeed_offload_patch.testing.models import ManyLinear
 
     rank = dist.get_rank()
@@ -200,9 +200,9 @@ def step_host_syncs(cell: outcomes.Cell, tensors: int) -> Dict[str, int]:
     for step in range(2):
         for micro in range(cell.grad_accum):
             counting = step == 1 and micro == cell.grad_accum - 1
-            with count_host_syncs() as backward:
+            with count_host_syncs(kinds=(READ, )) as backward:
                 engine.backward(engine(oracle.inputs(step, micro, rank).to(engine.device, dtype)))
-            with count_host_syncs() as stepped, torch.no_grad():
+            with count_host_syncs(kinds=(READ, )) as stepped, torch.no_grad():
                 engine.step()
             if counting:
                 found = {"backward": backward.total, "step": stepped.total}

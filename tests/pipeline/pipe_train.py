@@ -135,7 +135,7 @@ class _InstructionSyncs:
     def __enter__(self) -> "_InstructionSyncs":
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
-        from deepspeed_offload_patch.hostsync import count_host_syncs
+        from deepspeed_offload_patch.hostsync import READ, count_host_syncs
 
         self.counts: Dict[str, int] = {}
         self.table = PipelineEngine._INSTRUCTION_MAP
@@ -144,7 +144,7 @@ class _InstructionSyncs:
         def counted(name, function):
 
             def run(engine, **kwargs):
-                with count_host_syncs(device="cpu") as syncs:
+                with count_host_syncs(device="cpu", kinds=(READ, )) as syncs:
                     result = function(engine, **kwargs)
                 self.counts[name] = self.counts.get(name, 0) + syncs.total
                 return result

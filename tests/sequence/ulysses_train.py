@@ -177,7 +177,7 @@ def _train(run: UlyssesRun) -> Dict[str, Any]:
     import deepspeed.comm as dist
     from deepspeed.utils import groups
 
-    from deepspeed_offload_patch.hostsync import count_host_syncs
+    from deepspeed_offload_patch.hostsync import READ, count_host_syncs
     from deepspeed_offload_patch.testing.equivalence import _flag, _record, _typed, poison_grad
     from deepspeed_offload_patch.testing.models import optimizer_step
 
@@ -197,7 +197,7 @@ def _train(run: UlyssesRun) -> Dict[str, Any]:
             loss = engine(my_part(whole_sequence(engine, step, micro), rank))
             losses.append(_typed(loss.detach().float()))
             if boundary:
-                with count_host_syncs(device="cpu") as counter:
+                with count_host_syncs(device="cpu", kinds=(READ, )) as counter:
                     engine.backward(loss)
                 syncs = counter.total
             else:

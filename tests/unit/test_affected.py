@@ -49,7 +49,8 @@ def _status(state="applied",
             zero3_overflow="not-needed",
             invalid_norm="not-needed",
             rank_agreement="not-needed",
-            bf16_check="not-needed"):
+            bf16_check="not-needed",
+            event_waits="off"):
     return PatchStatus(state, version, "", {}, {
         "grad-norm": (grad_norm, ""),
         "skipped-step": (skipped_step, ""),
@@ -58,7 +59,8 @@ def _status(state="applied",
         "zero3-overflow": (zero3_overflow, ""),
         "invalid-norm": (invalid_norm, ""),
         "rank-agreement": (rank_agreement, ""),
-        "bf16-check": (bf16_check, "")
+        "bf16-check": (bf16_check, ""),
+        "event-waits": (event_waits, "")
     })
 
 
@@ -77,6 +79,7 @@ def test_the_upstream_report_s_job_has_both_defects_and_both_are_fixed():
         "bf16-unchecked": ("no", "-"),
         "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
+        "per-tensor-waits": ("no", "-"),
     }
     # Unpatched, or with the skipped-step fix off, the defects stay.
     assert _verdicts(_config(UPSTREAM), _status("disabled", "off"))["skipped-step"] == ("yes", "no")
@@ -113,6 +116,7 @@ def test_the_libraries_generated_configs_read_as_the_jobs_they_run(path):
         "bf16-unchecked": ("no", "-"),
         "ranks-disagree": ("no", "-"),
         "zero3-nan-weights": ("no", "-"),
+        "per-tensor-waits": ("yes", "no"),  # accumulating ZeRO-2 on 0.19.8: the opt-in event-wait fix is off
     }
     assert _verdicts(_config(path), _status("disabled", "off"))["host-sync"] == ("yes", "no")
     assert _verdicts(_config(path, data_types__grad_accum_dtype="fp32"), _status())["skipped-step"] == ("yes", "yes")
@@ -281,3 +285,44 @@ def test_a_change_left_out_where_the_loaded_release_does_not_need_it_leaves_noth
     assert here == (("maybe", "no") if has_defect("several-backwards") else ("no", "-")), here
     other = "0.17.6" if deepspeed.__version__.strip() != "0.17.6" else "0.18.9"
     assert _verdicts(ga1, _status(version=other, several_backwards="off"))["dropped-backwards"] == ("maybe", "no")
+
+
+def _waits(config, status) -> dict:
+    from deepspeed_offload_patch.affected import host_waits
+    job = read_job(config)
+    return {
+        wait.kind: (wait.affected, wait.removed_by, wait.removed)
+        for wait in host_waits(job, status, findings(job, status))
+    }
+
+
+def test_each_host_wait_per_tensor_is_named_with_what_removes_it(tmp_path):
+    """The waits a job makes on a GPU by stage, accumulation, pin_memory and release: the event waits of 0.19.8's
+    accumulating ZeRO-2 (the opt-in event-wait fix), the copies into pageable memory (pin_memory: true, which 0.19.5
+    made the default), ZeRO-3's blocking copies up to 0.19.4 (0.19.5); the reads, which the sync fix removes."""
+    zero2 = {**_config(UPSTREAM), "gradient_accumulation_steps": 2}
+    zero2["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    waits = _waits(zero2, _status())
+    assert waits["read"][0] == "yes" and waits["read"][2], waits
+    assert waits["event wait"][0] == "yes" and not waits["event wait"][2], waits
+    assert "opt-in" in waits["event wait"][1] and "DS_OFFLOAD_PATCH_EVENT_WAITS=1" in waits["event wait"][1]
+    assert "blocking copy" not in waits  # pin_memory unset: pinned by default on 0.19.8
+    assert _waits(zero2, _status(event_waits="applied"))["event wait"][2]
+    # The same job on 0.19.4: pageable by default, and no event waits (the release has none).
+    old = _waits(zero2, _status(version="0.19.4", event_waits="not-needed", skipped_step="not-needed"))
+    assert set(old) == {"read", "blocking copy"} and old["blocking copy"][1] == "offload_optimizer.pin_memory: true"
+    zero2["zero_optimization"]["offload_optimizer"]["pin_memory"] = False
+    assert _waits(zero2, _status())["blocking copy"][0] == "yes"  # asked for pageable buffers on any release
+    zero3 = {**zero2, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    assert set(_waits(zero3, _status(version="0.19.4"))) == {"blocking copy"}
+    assert "0.19.5" in _waits(zero3, _status(version="0.19.4"))["blocking copy"][1]
+    assert _waits(zero3, _status()) == {}
+
+
+def test_the_defect_of_an_opt_in_change_does_not_set_the_exit_code(tmp_path):
+    config = {**_config(UPSTREAM), "gradient_accumulation_steps": 2}
+    config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    found = findings(read_job(config), _status())
+    waits = next(f for f in found if f.defect == "per-tensor-waits")
+    assert (waits.affected, waits.fixed) == ("yes", "no") and waits.opt_in and not waits.stays
+    assert not any(f.stays for f in found)

@@ -66,7 +66,8 @@ def test_status_json_is_stable():
         "package_version", "python", "deepspeed_version", "state", "reason", "methods", "grad_norm_on_device",
         "grad_norm_reason", "skipped_step", "skipped_step_reason", "grad_accumulation", "grad_accumulation_reason",
         "several_backwards", "several_backwards_reason", "invalid_norm", "invalid_norm_reason", "rank_agreement",
-        "rank_agreement_reason", "bf16_check", "bf16_check_reason", "zero3_overflow", "zero3_overflow_reason"
+        "rank_agreement_reason", "bf16_check", "bf16_check_reason", "zero3_overflow", "zero3_overflow_reason",
+        "event_waits", "event_waits_reason"
     }
     assert status["state"] == "applied", status
     fix = {"update_offload_overflow_tracker": "patchable", "has_overflow": "patchable"}

@@ -102,21 +102,30 @@ def test_what_you_gain_on_the_cpu_is_the_demo_s_transcript():
 
 
 def test_what_you_gain_on_the_gpu_is_the_measured_one():
+    """The GPU row counts every kind of host wait the profiler recorded (stream, event and device syncs), per stage,
+    from docs/gpu-check/bench.json at N = 398."""
     import json
 
     with open(os.path.join(ROOT, "docs", "gpu-check", "bench.json")) as f:
         measured = json.load(f)["results"]
+    kinds = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
-    def waits(variant: str, phase: str) -> set:
-        return {r["cuda"][phase]["cudaStreamSynchronize"] for r in measured[variant] if r["n"] == 398}
+    def waits(variant: str, phase: str, stage: int, keys=kinds) -> int:
+        (found, ) = {
+            sum(r["cuda"][phase][key] for key in keys)
+            for r in measured[variant] if r["n"] == 398 and r["stage"] == stage
+        }
+        return found
 
-    (before, ), (after, ) = waits("unpatched", "backward"), waits("patched+grad-norm", "backward")
-    (whole_before, ), (whole_after, ), (whole_fix_only, ) = (waits("unpatched",
-                                                                   "whole"), waits("patched+grad-norm",
-                                                                                   "whole"), waits("patched", "whole"))
     row = _gain_row("on one H200 GPU")
-    assert f"398 tensors" in row and f"boundary backward {before} → {after}" in row, row
-    assert f"per optimizer step {whole_before} → {whole_after} ({whole_fix_only} with the grad norm left out)" in row, row
+    assert "398 tensors" in row, row
+    for stage in (1, 2):
+        before, after = waits("unpatched", "whole", stage), waits("patched+grad-norm", "whole", stage)
+        assert f"ZeRO-{stage} {before} → {after}" in row, (stage, before, after, row)
+    events = waits("patched+grad-norm", "whole", 2, ("cudaEventSynchronize", ))
+    assert f"{events} of them event waits" in row, row
+    before, after = (waits(v, "backward", 1, ("cudaStreamSynchronize", )) for v in ("unpatched", "patched+grad-norm"))
+    assert f"boundary backward {before} → {after}" in row, row
 
 
 def test_the_cpu_benchmark_table_is_the_measured_one():

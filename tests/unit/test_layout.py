@@ -13,35 +13,36 @@ PACKAGE = "deepspeed_offload_patch"
 FLOORS = {
     # What DeepSpeed's methods are replaced with (each change's ``methods``; a default's ``default``), the data, and
     # mechanisms that know nothing of the rest.
-    0: ("releases", "fingerprints", "source_digest", "log", "hostsync", "import_hook", "cpu_shm", "testing.launch",
+    0: ("releases", "fingerprints", "source_digest", "log", "waits", "import_hook", "cpu_shm", "testing.launch",
         "audit.report", "states", "testing.zero3_gather", "changes.overflow_flag.methods", "changes.grad_norm.methods",
         "changes.skipped_step.methods", "changes.grad_accumulation.methods", "changes.event_waits.methods",
         "changes.several_backwards.methods", "changes.zero3_overflow.methods", "changes.invalid_norm.methods",
         "changes.rank_agreement.methods", "changes.bf16_check.default"),
+    1: ("hostsync", ),  # the host-wait counter (on the kinds of wait that ``waits`` names)
     # The switches; the launch of a patched command (DeepSpeed's shm op built first, its /dev/shm files removed
     # after); the behavioural probes of the changes that have one; the line said for a skipped step.
-    1: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
+    2: ("settings", "launcher", "changes.overflow_flag.probe", "changes.skipped_step.probe",
         "changes.grad_accumulation.probe", "changes.event_waits.probe", "changes.several_backwards.probe",
         "changes.zero3_overflow.probe", "changes.invalid_norm.probe", "changes.rank_agreement.probe", "audit.counts",
         "skip_log"),
-    2: ("changes.record", ),  # what a change declares
-    3: ("guard", ),  # the decision whether to patch, given a change
-    4: ("changes.event_waits", "changes.overflow_flag", "changes.grad_norm", "changes.skipped_step",
+    3: ("changes.record", ),  # what a change declares
+    4: ("guard", ),  # the decision whether to patch, given a change
+    5: ("changes.event_waits", "changes.overflow_flag", "changes.grad_norm", "changes.skipped_step",
         "changes.grad_accumulation", "changes.several_backwards", "changes.zero3_overflow", "changes.invalid_norm",
         "changes.rank_agreement", "changes.bf16_check"),  # one record each
-    5: ("changes", ),  # the registry
+    6: ("changes", ),  # the registry
     # What status() reports; what a change installs on a class; what one inf does to a job, as recorded.
-    6: ("patch_status", "replacements", "one_inf"),
-    7: ("patcher", ),  # applies and reverts, keeps the status
+    7: ("patch_status", "replacements", "one_inf"),
+    8: ("patcher", ),  # applies and reverts, keeps the status
     # The package's face; what runs in each audited rank; diffs; helpers (and what the installed DeepSpeed does, for
     # verify and the harness); a job's defects from its config.
-    8: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
-    9: ("testing.models", "audit.command"),
-    10: ("testing.equivalence", "testing.oracle", "audit"),
-    11: ("verify", "demo", "bench_report", "testing.outcomes"),
-    12: ("bench", "testing.skips"),
-    13: ("cli", ),
-    14: ("__main__", "_bootstrap.sitecustomize"),
+    9: ("", "audit.rank", "diffs", "testing", "testing.installed", "affected"),
+    10: ("testing.models", "audit.command"),
+    11: ("testing.equivalence", "testing.oracle", "audit"),
+    12: ("verify", "demo", "bench_report", "testing.outcomes"),
+    13: ("bench", "testing.skips"),
+    14: ("cli", ),
+    15: ("__main__", "_bootstrap.sitecustomize"),
 }
 FLOOR = {(f"{PACKAGE}.{name}" if name else PACKAGE): floor for floor, names in FLOORS.items() for name in names}
 

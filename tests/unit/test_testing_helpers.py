@@ -125,6 +125,88 @@ def test_on_an_accelerator_only_reads_of_its_tensors_count():
             on_device.item()
 
 
+class _Pinned(torch.Tensor):
+    """A CPU tensor that says it is pinned (pinning needs an accelerator)."""
+
+    def is_pinned(self, *args, **kwargs):
+        return True
+
+
+def test_a_copy_into_pageable_host_memory_is_a_blocking_copy_whatever_non_blocking_says():
+    from deepspeed_offload_patch.hostsync import BLOCKING_COPY, READ, count_host_syncs
+
+    source = _ReportsAnotherDevice(torch.ones(3), "cuda")
+    pageable, pinned = torch.zeros(3), torch.zeros(3).as_subclass(_Pinned)
+    with count_host_syncs(device="cuda") as syncs:
+        pageable.copy_(source, non_blocking=True)  # pageable: returns once done
+        pageable.copy_(source)
+        pinned.copy_(source)  # asked to block
+        pinned.as_subclass(torch.Tensor)  # not a copy
+    assert syncs.by_kind[BLOCKING_COPY] == 3 and syncs.by_kind[READ] == 0, syncs.counts
+    with count_host_syncs(device="cuda") as syncs:
+        torch.Tensor.copy_(pinned, source, non_blocking=True)  # pinned and non-blocking: the host goes on
+    assert syncs.total == 0, syncs.counts
+
+
+def test_each_kind_of_host_wait_has_its_column(monkeypatch):
+    """On CUDA the counter wraps the event, stream and device waits while it counts (counted before the call, so the
+    call may fail here, without a GPU) and puts them back after."""
+    from deepspeed_offload_patch.hostsync import KINDS
+
+    before = (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize)
+    with count_host_syncs(device="cuda") as syncs:
+        assert torch.cuda.synchronize is not before[2]
+        for wait in (lambda: torch.cuda.synchronize(), lambda: torch.cuda.Event.synchronize(object()),
+                     lambda: torch.cuda.Stream.synchronize(object())):
+            try:
+                wait()
+            except Exception:  # no GPU (or no such object): counted all the same
+                pass
+    assert (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize, torch.cuda.synchronize) == before
+    assert syncs.by_kind == dict(zip(KINDS, (0, 1, 1, 1, 0))), syncs.counts
+    assert syncs.total == 3 and syncs.reads == 0
+
+
+def test_on_the_cpu_deepspeeds_wait_counts_when_a_copy_was_recorded_since_the_last(monkeypatch):
+    """The CPU accelerator records no events: the counter counts DeepSpeed's own wait points instead, a wait only
+    after a recorded copy (also when the copy was counted by an earlier counter), and puts the methods back."""
+    import sys
+    import types
+
+    from deepspeed_offload_patch import hostsync
+
+    class Optimizer:
+
+        def _record_offload_copy(self):
+            pass
+
+        def _wait_for_offload_copies(self):
+            pass
+
+    module = types.ModuleType("fake_zero")
+    module.Optimizer = Optimizer
+    monkeypatch.setitem(sys.modules, "fake_zero", module)
+    monkeypatch.setattr(
+        hostsync, "_CPU_WAIT_POINTS",
+        (("fake_zero", "Optimizer", "_record_offload_copy", "_wait_for_offload_copies", hostsync.OFFLOAD_WAIT_OP), ))
+    original = Optimizer.__dict__["_wait_for_offload_copies"]
+    first, second = Optimizer(), Optimizer()
+    with count_host_syncs(device="cpu") as syncs:
+        first._wait_for_offload_copies()  # nothing recorded: the GPU would not wait
+        first._record_offload_copy()
+        second._record_offload_copy()
+    with count_host_syncs(device="cpu") as later:
+        first._wait_for_offload_copies()
+        first._wait_for_offload_copies()
+        second._wait_for_offload_copies()
+    assert syncs.total == 0 and later.by_kind["event wait"] == 2, (syncs.counts, later.counts)
+    assert Optimizer.__dict__["_wait_for_offload_copies"] is original
+    with count_host_syncs(device="cuda") as on_a_gpu:  # there the device's own waits are counted instead
+        first._record_offload_copy()
+        first._wait_for_offload_copies()
+    assert on_a_gpu.total == 0
+
+
 def test_the_run_device_is_deepspeeds_accelerator_or_the_cpu():
     from deepspeed_offload_patch.hostsync import run_device_type
     assert run_device_type() == ("cuda" if torch.cuda.is_available() else "cpu")

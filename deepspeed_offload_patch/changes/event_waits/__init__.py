@@ -15,6 +15,7 @@ from deepspeed_offload_patch import guard
 from deepspeed_offload_patch.changes.event_waits.probe import METHOD, probe_waits
 from deepspeed_offload_patch.changes.record import Change, Form
 from deepspeed_offload_patch.states import State
+from deepspeed_offload_patch.waits import EVENT_WAIT
 
 RESTORE = "_restore_cpu_offload_grad_to_gpu"
 
@@ -40,8 +41,7 @@ def affects(job) -> tuple:
         return "maybe", "gradient_accumulation_steps auto (2 or more waits per tensor on a GPU)"
     if isinstance(job.grad_accum, int) and job.grad_accum >= 2:
         maybe = "maybe" if job.stage == "auto" else "yes"
-        return maybe, (f"gradient_accumulation_steps {job.grad_accum}: on a GPU the host waits once per parameter "
-                       "tensor in every backward")
+        return maybe, f"gradient_accumulation_steps {job.grad_accum}"
     return "maybe", "only if a step takes several backward() calls (set_gradient_accumulation_boundary)"
 
 
@@ -67,6 +67,7 @@ CHANGE = Change(
     reason_key="event_waits_reason",
     diff_help="the event-wait fix's diff instead (DeepSpeed 0.19.8: no host wait per tensor in a ZeRO-2 offload "
     "backward with gradient accumulation)",
+    wait=EVENT_WAIT,
     defect=("per-tensor-waits", "on a GPU the host waits once per parameter tensor in every backward"),
     affects=affects,
     opt_in="not yet proven on a GPU",

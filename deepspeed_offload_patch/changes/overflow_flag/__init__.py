@@ -11,6 +11,7 @@ from deepspeed_offload_patch.changes.overflow_flag.probe import probe_tracker
 from deepspeed_offload_patch.changes.record import Change, Form
 from deepspeed_offload_patch.guard import decide_by_methods
 from deepspeed_offload_patch.states import GOOD_STATES
+from deepspeed_offload_patch.waits import READ
 
 
 def _methods():
@@ -53,5 +54,6 @@ CHANGE = Change(
     "flag; has_overflow() reads it once, after its all-reduce. What the package applies by default, and what DeepSpeed "
     "pull request 8963 makes upstream.",
     upstream=True,
+    wait=READ,
     defect=("host-sync", "a host sync per gradient in each boundary backward"),
 )

@@ -131,7 +131,7 @@ def _wrap_backward(method):
         _local.active = True
         try:
             if boundary:
-                with _hostsync().count_host_syncs() as syncs:
+                with _hostsync().count_host_syncs(kinds=("read", )) as syncs:
                     result = method(self, loss, *args, **kwargs)
                 _record["boundary_backward_syncs"].append(syncs.total)
             else:

@@ -43,7 +43,7 @@ def _train(faults) -> dict:
     from deepspeed.utils import logger
 
     import deepspeed_offload_patch
-    from deepspeed_offload_patch.hostsync import count_host_syncs
+    from deepspeed_offload_patch.hostsync import READ, count_host_syncs
     from deepspeed_offload_patch.testing import oracle, outcomes
 
     keep = _Keep()
@@ -56,7 +56,7 @@ def _train(faults) -> dict:
     for step in range(STEPS):
         armed[0] = step in faults and rank == 0
         engine.backward(engine(oracle.inputs(step, 0, rank).to(engine.device, torch.bfloat16)))
-        with count_host_syncs() as counted, torch.no_grad():
+        with count_host_syncs(kinds=(READ, )) as counted, torch.no_grad():
             engine.step()
         syncs.append(counted.total)
     logger.removeHandler(keep)
