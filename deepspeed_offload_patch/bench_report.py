@@ -14,6 +14,7 @@ GRAD_ACCUM = 2
 GRAD_NORM = by_name("grad-norm").switch
 #: The variant with every change on, the opt-in ones too.
 ALL_CHANGES = "all-changes"
+KIND_COLUMNS = dict(zip(KINDS, ("reads", "event waits", "stream waits", "device syncs", "blocking copies")))
 PHASE_NAMES = {"backward": "boundary backward", "step": "step()", "whole": "whole step"}
 
 
@@ -95,7 +96,7 @@ def render_waits_table(results: Dict[str, List[Dict[str, Any]]]) -> str:
     variants = ("unpatched", "patched+grad-norm", ALL_CHANGES)
     lines = [
         "Host waits of the whole optimizer step, by kind: unpatched / defaults / every change on (opt-in ones too)",
-        "", "| stage | mode | N | " + " | ".join(f"{kind}s" for kind in KINDS) + " |",
+        "", "| stage | mode | N | " + " | ".join(KIND_COLUMNS[kind] for kind in KINDS) + " |",
         "|" + " --- |" * (3 + len(KINDS))
     ]
     for rows in zip(*(results[v] for v in variants)):
