@@ -12,7 +12,9 @@ parameters unchanged. Then each change that is neither ``not-needed`` nor ``off`
 and must skip it and update the parameters at the next; ``every-micro-batch`` and ``every-backward``, ZeRO-2 jobs of
 3 micro-steps and of 2 backwards per step whose gradient norms and parameters must be what plain PyTorch computes
 (:mod:`deepspeed_offload_patch.testing.oracle`); ``check-left-out``, a bf16 engine whose config leaves out
-``check_grad_overflow``, which must skip a step with a NaN gradient. Returns 0 when all hold, 1 otherwise.
+``check_grad_overflow``, which must skip a step with a NaN gradient; ``waits-per-backward``, ZeRO-2 jobs with
+accumulation whose backwards must each make at most one host event wait (none with pinned buffers), the same at two
+sizes. Returns 0 when all hold, 1 otherwise.
 """
 
 from typing import Any, Dict
@@ -123,6 +125,32 @@ def _check_left_out(precision: str) -> Dict[str, bool]:
     }
 
 
+def _waits_per_backward(precision: str) -> Dict[str, bool]:
+    """ZeRO-2 with accumulation, pinned and pageable CPU buffers, at 8 and 24 tensors: each backward's host event
+    waits (on the CPU, DeepSpeed's own wait points) are at most one (pageable) or none (pinned), at both sizes."""
+    from deepspeed_offload_patch.hostsync import EVENT_WAIT, count_host_syncs
+    from deepspeed_offload_patch.testing.models import batch, ds_config, make_engine, optimizer_step
+
+    found = {}
+    for pin in (False, True):
+        waits = {}
+        for tensors in (8, 24):
+            config = ds_config(stage=2, dtype=precision, grad_accum=GRAD_ACCUM)
+            config["zero_optimization"]["offload_optimizer"]["pin_memory"] = pin
+            engine = make_engine(tensors, config=config)
+            waits[tensors] = []
+            for micro in range(2 * GRAD_ACCUM):
+                loss = engine(batch(engine, 3000 + micro))
+                with count_host_syncs(kinds=(EVENT_WAIT, )) as counted:
+                    engine.backward(loss)
+                waits[tensors].append(counted.total)
+                optimizer_step(engine)
+        name = "pinned" if pin else "pageable"
+        found[f"{name}_at_most_{int(not pin)}"] = all(count <= int(not pin) for count in waits[8] + waits[24])
+        found[f"{name}_same_at_8_and_24"] = waits[8] == waits[24]
+    return found
+
+
 def _learns_like_pytorch(cell_options: Dict[str, Any]):
     """A check that trains one oracle cell (ZeRO-2, fp32, this rank alone) and compares every step's gradient norm and
     the parameters with the same job in plain PyTorch, to a tolerance that a GPU's own rounding stays within and a
@@ -157,6 +185,10 @@ CHECKS = {
     "check-left-out":
     (_check_left_out, "a bf16 config that leaves out check_grad_overflow skips a step with a NaN gradient",
      "a bf16 config that leaves out check_grad_overflow applied a step with a NaN gradient"),
+    "waits-per-backward":
+    (_waits_per_backward, "with gradient accumulation, a ZeRO-2 backward makes at most one host event wait (pageable "
+     "buffers) or none (pinned), at 8 and 24 tensors alike",
+     "with gradient accumulation, a ZeRO-2 backward waited on the host more than once, or more with more tensors"),
     "every-backward":
     (_learns_like_pytorch(dict(backwards=2)),
      "with 2 backwards per step (set_gradient_accumulation_boundary), each step trains on both, as plain PyTorch does",

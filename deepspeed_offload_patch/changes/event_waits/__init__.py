@@ -70,5 +70,6 @@ CHANGE = Change(
     wait=EVENT_WAIT,
     defect=("per-tensor-waits", "on a GPU the host waits once per parameter tensor in every backward"),
     affects=affects,
+    verify_checks=("waits-per-backward", ),
     opt_in="not yet proven on a GPU",
 )

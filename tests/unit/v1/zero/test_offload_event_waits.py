@@ -146,3 +146,14 @@ def test_switched_on_the_fix_applies_where_deepspeed_waits_per_tensor(trained):
     assert reference == {"off"}, reference
     expected = "disabled" if disabled() else "applied" if DEFECT else "not-needed"
     assert found == {expected}, found
+
+
+def _verify_check() -> Dict[str, bool]:
+    from deepspeed_offload_patch.verify import _waits_per_backward
+    return _waits_per_backward("bf16")
+
+
+@pytest.mark.parametrize("switched_on", [pytest.param(True, marks=MARKS, id="on"), pytest.param(False, id="off")])
+def test_verifys_check_passes_with_the_fix_and_fails_without_it_where_deepspeed_waits_per_tensor(switched_on):
+    found = run_distributed(_verify_check, 1, env=ON if switched_on else OFF, fork_server=True)[0]
+    assert all(found.values()) == (switched_on or not DEFECT), found
