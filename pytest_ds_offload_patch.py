@@ -4,7 +4,7 @@
 whose import patches): the host-sync fixtures for any test, and the patch only when asked.
 
     def test_my_step(engine, loss, no_host_sync):
-        with no_host_sync():          # HostSyncError at the first host read, naming the op and the line
+        with no_host_sync():          # HostSyncError at the first host wait, naming the op and the line
             engine.backward(loss)
 
     def test_sync_budget(engine, loss, host_sync_counter):

@@ -12,7 +12,7 @@ in its own process on one rank.
 
 Prints one table row per job; writes ``waits.json`` to ``--out``. Exits 1 when the parameters after the steps differ
 between the variants (they must be bit-identical: no inf/NaN, accumulation under 3), or when with every change on a
-pinned ZeRO-1/2 job's waits of some kind grow with N (what the changes must remove); the waits that a setting or a
+pinned ZeRO-1/2 job's waits of some kind differ between the sizes (what the changes must remove); the waits that a setting or a
 release removes (``affected`` lists them: pageable buffers, ZeRO-3's copies up to 0.19.4) are shown, not judged.
 
     python ci/gpu_waits.py [--sizes 50 398] [--out reports/gpu-check]
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     for (stage, accum, pin), by_n in growth.items():
         if stage in (1, 2) and pin and len(set(by_n.values())) > 1:
             bad.append(
-                f"ZeRO-{stage} accumulation {accum} pinned: with every change on, the waits grow with N: {by_n}")
+                f"ZeRO-{stage} accumulation {accum} pinned: with every change on, the waits differ with N: {by_n}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "waits.json"), "w") as f:
         json.dump(

@@ -268,9 +268,9 @@ def readme(indexes: dict) -> str:
     """``indexes``: each change's index (release -> diff), by change name."""
     sections = []
     for change in CHANGES:
-        switch = (
-            "" if change.upstream else
-            f"; on by default, `{change.switch}=0` leaves it out, and it applies with or without the other diffs")
+        default = (f"off by default (opt-in: {change.opt_in}), `{change.switch}=1` turns it on"
+                   if change.opt_in else f"on by default, `{change.switch}=0` leaves it out")
+        switch = "" if change.upstream else f"; {default}, and it applies with or without the other diffs"
         where = "" if change.target == UPSTREAM.target else f" (a diff of `{change.target.path}`)"
         sections.append(
             f"### `{change.name}/`: {change.title}{where}\n\n{_forms_text(change)}{switch}: {change.about}\n\n"

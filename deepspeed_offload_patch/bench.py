@@ -18,7 +18,8 @@ Linear layers), with the optimizer offloaded to the CPU and gradient accumulatio
   and in the whole optimizer step (every micro-step's forward and backward, then ``step()``), counted in the first
   step; beside them every kind of host wait it counts (reads, event and stream waits, device syncs, blocking copies:
   ``{phase}_waits``; on the CPU, DeepSpeed's own wait points), and a fourth variant, every change on (the opt-in ones
-  too), whose whole step must make as many of each kind at every N;
+  too), whose whole step must make as many of each kind at one N as at another (blocking copies aside: they are
+  ``pin_memory``'s, which ``affected`` names);
 * wall time of the same three: median over the measured steps after warm-up, the slowest rank's;
 * time spent in ``update_offload_overflow_tracker`` itself per boundary backward, and the number of PyTorch ops it
   runs (with the check off, the patched tracker runs none);
@@ -29,7 +30,7 @@ Prints a table with unpatched/patched ratios, writes JSON and a PNG plot per sta
 PATH``, writes the table into PATH and its JSON beside it (``docs/benchmark.json``), from which the docs test renders
 the table again. Exits 1 if a patched boundary backward synchronizes with the host, if the whole step with the
 on-device grad norm makes a different number of host syncs at one N than at another, if with every change on it
-makes a different number of host waits of some kind, if a patched run was not patched, or if a run crashes (with its traceback); 2 on a DeepSpeed before 0.17.1.
+makes a different number of host waits of some kind (blocking copies aside), if a patched run was not patched, or if a run crashes (with its traceback); 2 on a DeepSpeed before 0.17.1.
 """
 
 import argparse
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Needs DeepSpeed 0.17.1 or later. Exit: 0; 1 if a patched boundary "
         "backward synchronizes with the host, the whole step with the on-device grad norm "
         "makes a different number of host syncs at one N than at another, the whole step with every change on "
-        "makes a different number of host waits of some kind, a patched run "
+        "makes a different number of host waits of some kind (blocking copies aside), a patched run "
         "was not patched, or a run crashed; 2 on a DeepSpeed before 0.17.1.")
     parser.add_argument("--quick", action="store_true", help="N = 50, 200, fewer steps (CI)")
     parser.add_argument("--sizes", type=int, nargs="+", help="parameter tensors (default 50 200 800 3200)")

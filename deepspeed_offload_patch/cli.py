@@ -68,8 +68,8 @@ EXITS = {
     "diff":
     "0, or 1 when there is no diff for this DeepSpeed",
     "affected":
-    "0 when no defect stays (none, or each fixed by default here), 1 when one does or may, 2 when the "
-    "config cannot be read",
+    "0 when no defect stays (none, or each fixed by default here; an opt-in change's does not count), 1 when one "
+    "does or may, 2 when the config cannot be read",
     "run":
     "the command's own code; 2 no command; 127 the command cannot be started",
     "audit":
@@ -195,7 +195,7 @@ def _check_command(args) -> int:
     # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
     python = f"Python {platform.python_version()}"
     if code == 0:
-        opt_in = {c.name: " (opt-in)" for c in OTHERS if c.opt_in and status.of(c)[0] == State.OFF}  # as by default
+        opt_in = {c.name: " (opt-in)" for c in OTHERS if status.of(c)[1].startswith("opt-in")}  # off as by default
         others = ", ".join(f"{c.title} {status.of(c)[0]}{opt_in.get(c.name, '')}" for c in OTHERS)
         print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, {others} ({python})")
     elif exit_code(status.state):
@@ -213,8 +213,8 @@ def _verify_parser(sub) -> None:
     verify = sub.add_parser("verify",
                             help="train a tiny ZeRO-2 offload engine and prove there is no host sync",
                             description="Train a tiny ZeRO-2 offload engine on one rank (CPU, or the GPU DeepSpeed "
-                            "finds) with every boundary backward under no_host_sync(), then show that a NaN gradient "
-                            f"still skips the step. Exit: {EXITS['verify']}.")
+                            "finds) with no device value read in a boundary backward (no_host_sync of reads), then "
+                            f"show that a NaN gradient still skips the step. Exit: {EXITS['verify']}.")
     verify.add_argument("--steps",
                         type=_positive,
                         default=3,
@@ -263,8 +263,8 @@ def _affected_parser(sub) -> None:
                               help="which defects a DeepSpeed config's job has, and whether this package fixes each",
                               description="Read a DeepSpeed config (the JSON given to the deepspeed launcher, HF "
                               "Trainer or Accelerate) and say, with the installed DeepSpeed, whether the job has each "
-                              f"defect ({defects}) and whether the package fixes each here. HF's \"auto\" values give "
-                              f"\"maybe\". Exit: {EXITS['affected']}.")
+                              f"defect ({defects}), whether the package fixes each, and its host waits per tensor on "
+                              f"a GPU with what removes each. \"auto\" gives \"maybe\". Exit: {EXITS['affected']}.")
     affected.add_argument("config", help="the DeepSpeed config JSON file")
     affected.add_argument("--json", action="store_true", help="machine-readable output")
     affected.set_defaults(func=_affected_command)

@@ -70,13 +70,15 @@ _CPU_WAIT_POINTS = (("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptim
                      "_wait_for_offload_copies", OFFLOAD_WAIT_OP), )
 
 #: The objects (by id) that recorded a copy since their last wait, kept across counters: a backward counted by one
-#: counter and the ``step()`` that waits for its copies counted by the next still make a wait. A copy recorded while
-#: no counter is open is not seen.
+#: counter and the ``step()`` that waits for its copies counted by the next still make a wait. What happens while no
+#: counter is open is not seen: a copy recorded then is missed, and a wait then clears nothing (so count the waits
+#: that follow counted copies, ``step()`` included, to keep the next count exact).
 _RECORDED: Dict[Tuple[str, str], set] = {}
 
 
 class HostSyncError(RuntimeError):
-    """Raised by :func:`no_host_sync` and by :class:`RaisingBoolTensor` when a device value is read on the host."""
+    """Raised by :func:`no_host_sync` at a host wait it refuses, and by :class:`RaisingBoolTensor` when a device value
+    is read on the host."""
 
 
 def _caller() -> str:
@@ -322,7 +324,8 @@ def count_host_syncs(device: Optional[str] = None, kinds: Sequence[str] = KINDS)
 def no_host_sync(device: Optional[str] = None, kinds: Sequence[str] = KINDS) -> Iterator[None]:
     """Raise :class:`HostSyncError` at the first host wait inside the block of one of ``kinds`` (default every kind;
     see :func:`count_host_syncs` for what counts, ``device`` and ``kinds``). The message names the op and the Python
-    line. On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is also on inside the block, and restored after it.
+    line. On CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is also on inside the block, whatever ``kinds`` says
+    (an op it flags raises its RuntimeError), and restored after it.
     """
 
     def fail(op: str) -> None:

@@ -163,12 +163,12 @@ def table(reports: List[Dict], top: int = 3) -> str:
 
 
 def kinds_lines(reports: List[Dict]) -> List[str]:
-    """The whole step's host syncs by kind, one line per rank (``rank 0: read 5/5/5, event wait 16/16/16``: one
-    number per counted step; only the kinds seen). Empty for reports written before the kinds were counted."""
+    """The whole step's host waits by kind, one line per rank (``rank 0: read   5   5   5, event wait  16  16  16``:
+    one number per counted step; only the kinds seen). Empty for reports written before the kinds were counted."""
     reports = [report for report in reports if report.get("kinds")]
     if not reports:
         return []
-    lines = ["host syncs of the whole step by kind (one number per step):"]
+    lines = ["host waits of the whole step by kind (one number per step; the phases above count the reads):"]
     for report in reports:
         kinds = [kind for kind in report["kinds"][0] if any(step.get(kind) for step in report["kinds"])]
         counts = ", ".join(f"{kind} {_fmt([step[kind] for step in report['kinds']])}" for kind in kinds)

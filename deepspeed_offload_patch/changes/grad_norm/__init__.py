@@ -10,6 +10,7 @@ the same bits. On by default; not part of DeepSpeed pull request 8963.
 from deepspeed_offload_patch.changes.record import Change, Form
 from deepspeed_offload_patch.guard import decide_by_methods
 from deepspeed_offload_patch.states import State
+from deepspeed_offload_patch.waits import READ
 
 _METHOD = "complete_grad_norm_calculation_for_cpu_offload"
 
@@ -44,5 +45,6 @@ CHANGE = Change(
     state_key="grad_norm_on_device",
     reason_key="grad_norm_reason",
     diff_help="the on-device gradient norm's diff instead",
+    wait=READ,
     defect=("step-reads", "step() reads one host value per gradient tensor"),
 )
