@@ -48,7 +48,7 @@ VARIANTS = {
         }
     },
 }
-PROFILED = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+PROFILED = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")  # of bench.CUDA_EVENTS
 JOBS = [(stage, accum, pin) for stage in (1, 2, 3) for accum in (1, 2) for pin in (True, False)]
 
 
@@ -74,16 +74,10 @@ def _job(stage: int, accum: int, pin: bool, tensors: int) -> Dict[str, Any]:
         _step(engine, 1, accum)
     row: Dict[str, Any] = {"counted": counted.by_kind}
     if engine.device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+        from deepspeed_offload_patch.bench import _cuda_sync_events  # the benchmark's profiled count of the waits
 
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _step(engine, 2, accum)
-        totals = dict.fromkeys(PROFILED, 0)
-        for event in prof.key_averages():
-            if event.key in totals:
-                totals[event.key] += event.count
-        row["profiled"] = totals
+        row["profiled"] = _cuda_sync_events(lambda: _step(engine, 2, accum))
     else:
         _step(engine, 2, accum)
     row["params"] = [p.detach().float().cpu() for p in engine.module.parameters()]

@@ -28,9 +28,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from deepspeed_offload_patch import one_inf, waits
 from deepspeed_offload_patch.changes import CHANGES, OTHERS
+from deepspeed_offload_patch.guard import release_of
 from deepspeed_offload_patch.states import State
+# A verdict's words, shared with the waits a setting removes.
+from deepspeed_offload_patch.waits import MAYBE, NO, YES
 
-YES, NO, MAYBE = "yes", "no", "maybe"
+#: Each change by the name of the defect it fixes.
+_BY_DEFECT = {change.defect[0]: change for change in CHANGES}
 AUTO = "auto"
 
 
@@ -69,14 +73,12 @@ class Finding:
     why: str
     fixed: str  # "yes", "no" or "-" (nothing to fix)
     change: str  # the change and its state here
-    wait: str = ""  # the kind of host wait per tensor the defect is (the change's record), or ""
-    opt_in: str = ""  # why the change is off unless switched on, for an opt-in change
 
     @property
     def stays(self) -> bool:
         """The job has (or may have) the defect, and no default change fixes it here (an opt-in change's defect does
         not count: the package does not fix it by default yet)."""
-        return self.affected != NO and self.fixed == NO and not self.opt_in
+        return self.affected != NO and self.fixed == NO and not _BY_DEFECT[self.defect].opt_in
 
 
 def _word(value: Any, true: str, false: str) -> str:
@@ -155,17 +157,16 @@ def findings(job: Job, status) -> List[Finding]:
         state = status.of(change)[0]
         defect, what = change.defect[0], f"{change.title}: {state}"
         affected, why = change.affects(job) if change.affects is not None else (YES, "")
-        kind = dict(wait=change.wait, opt_in=change.opt_in)
         if offloaded == NO or affected == NO:
-            found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what, **kind))
+            found.append(Finding(defect, NO, where if offloaded == NO else why, "-", what))
         elif state in (State.NOT_NEEDED, State.UPSTREAM_FIXED):
-            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what, **kind))
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}", "-", what))
         elif state in (State.OFF, State.DISABLED) and _needless_here(change, status.deepspeed_version):
-            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}, and not needed there", "-", what, **kind))
+            found.append(Finding(defect, NO, f"DeepSpeed {version}: {state}, and not needed there", "-", what))
         else:
             found.append(
                 Finding(defect, MAYBE if MAYBE in (offloaded, affected) else YES, f"{where}, {why}" if why else where,
-                        YES if state == State.APPLIED else NO, what, **kind))
+                        YES if state == State.APPLIED else NO, what))
     return found
 
 
@@ -186,17 +187,15 @@ def host_waits(job: Job, status, found: List[Finding]) -> List[Wait]:
     """The host waits per tensor the job has (or may have) on a GPU with the DeepSpeed ``status`` describes: the
     ``found`` defects that are such waits (the change that removes each, and whether it is applied), then those of
     :data:`deepspeed_offload_patch.waits.WAITS` (the setting or release that removes each)."""
-    titles = {change.defect[0]: change for change in CHANGES}
     listed = []
     for finding in found:
-        change = titles[finding.defect]
-        if finding.wait and finding.affected != NO:
-            state = finding.change.split(": ", 1)[1]
-            opt_in = f": opt-in, {change.switch}=1 turns it on" if finding.opt_in and finding.fixed != YES else ""
-            how = f"{change.title} ({state}{opt_in})"
-            listed.append(
-                Wait(finding.wait, change.defect[1], finding.affected, finding.why, how, finding.fixed == YES))
-    release = waits.release(status.deepspeed_version)
+        change = _BY_DEFECT[finding.defect]
+        if change.wait and finding.affected != NO:
+            opt_in = f": opt-in, {change.switch}=1 turns it on" if change.opt_in and finding.fixed != YES else ""
+            how = f"{change.title} ({status.of(change)[0]}{opt_in})"
+            listed.append(Wait(change.wait, change.defect[1], finding.affected, finding.why, how,
+                               finding.fixed == YES))
+    release = release_of(status.deepspeed_version) if status.deepspeed_version else None
     for wait in waits.WAITS:
         affected, why = wait.applies(job, release)
         if affected != NO:
@@ -253,7 +252,6 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
     print(f"ds-offload-patch affected: {path}, DeepSpeed {status.deepspeed_version or '(not installed)'} "
           f"(Python {platform.python_version()})")
     print(f"job: {job.text()}")
-    titles = {change.defect[0]: change.defect[1] for change in CHANGES}
     for finding in found:
         if finding.affected == NO:
             verdict = f"not affected ({finding.why})"
@@ -261,7 +259,7 @@ def report(path: str, resolve_status: Callable[[], Any], as_json: bool = False) 
             fix = {YES: "fixed", NO: "NOT fixed"}
             verdict = f"{'affected' if finding.affected == YES else 'maybe affected'} ({finding.why}); " \
                       f"{fix[finding.fixed]}"
-        print(f"{titles[finding.defect]}: {verdict} [{finding.change}]")
+        print(f"{_BY_DEFECT[finding.defect].defect[1]}: {verdict} [{finding.change}]")
     print(f"host waits per tensor on a GPU: {'none known' if not stalls else len(stalls)}")
     for wait in stalls:
         has = "" if wait.affected == YES else "maybe: "
@@ -280,14 +278,8 @@ def _one_inf_line(job: Job, status, recorded: Optional[one_inf.Outcome]) -> str:
         return (f"one inf/NaN: not recorded for this job on DeepSpeed {status.deepspeed_version or '(not installed)'}"
                 " (a setting left to \"auto\", a stage outside 1 - 3, or a release past those recorded)")
     # An opt-in change that is off is as the defaults have it.
-    off = [change.title for change in OTHERS if status.of(change)[0] == State.OFF and not _off_by_default(change)]
+    off = [change.title for change in OTHERS if status.of(change)[0] == State.OFF and not change.opt_in]
     if status.state == State.DISABLED:
         off = ["the whole package (disabled)"]
     note = f"; here {', '.join(off)} off, so the unpatched outcome may apply" if off else ""
     return recorded.text() + note
-
-
-def _off_by_default(change) -> bool:
-    """An opt-in change whose switch does not turn it on: off, as the package's defaults leave it."""
-    from deepspeed_offload_patch import settings
-    return bool(change.opt_in) and not settings.upstream_only() and not settings.flag(change.switch)

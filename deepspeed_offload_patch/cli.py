@@ -195,7 +195,7 @@ def _check_command(args) -> int:
     # The interpreter is part of the answer: the same DeepSpeed can be patched on one Python and not on another.
     python = f"Python {platform.python_version()}"
     if code == 0:
-        opt_in = {c.name: " (opt-in)" for c in OTHERS if status.of(c)[1].startswith("opt-in")}  # off as by default
+        opt_in = {c.name: " (opt-in)" for c in OTHERS if settings.off_as_by_default(c)}
         others = ", ".join(f"{c.title} {status.of(c)[0]}{opt_in.get(c.name, '')}" for c in OTHERS)
         print(f"ds-offload-patch check: OK: DeepSpeed {version} is {status.state}, {others} ({python})")
     elif exit_code(status.state):

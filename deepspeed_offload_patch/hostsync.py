@@ -63,9 +63,8 @@ _DATA_DEPENDENT_OPS = {
 _SKIP_FILES = (os.path.dirname(torch.__file__), os.path.abspath(__file__), contextlib.__file__)
 
 #: Where DeepSpeed waits on a device whose waits the CPU accelerator makes no-ops: ``(module, class, the method that
-#: records a copy or None, the method that waits, the op it counts as)``. A wait counts only when a copy was recorded
-#: on the same object since its last wait (or, with no recording method, always): with nothing recorded the GPU's
-#: wait has nothing to wait for.
+#: records a copy, the method that waits, the op it counts as)``. A wait counts only when a copy was recorded on the
+#: same object since its last wait: with nothing recorded the GPU's wait has nothing to wait for.
 _CPU_WAIT_POINTS = (("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "_record_offload_copy",
                      "_wait_for_offload_copies", OFFLOAD_WAIT_OP), )
 
@@ -230,29 +229,25 @@ def _count_cpu_wait_points(on_sync: Callable[[str], None], stack: contextlib.Exi
             pass
     for module_name, class_name, record, wait, op in _CPU_WAIT_POINTS:
         cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is None or wait not in cls.__dict__:
+        if cls is None or wait not in cls.__dict__ or record not in cls.__dict__:
             continue
         recorded = _RECORDED.setdefault((module_name, class_name), set())
-        original_wait = cls.__dict__[wait]
-        always = record is None
+        original_wait, original_record = cls.__dict__[wait], cls.__dict__[record]
 
-        def counted_wait(self, *args, _original=original_wait, _recorded=recorded, _op=op, _always=always, **kwargs):
-            if _always or id(self) in _recorded:
+        def counted_wait(self, *args, _original=original_wait, _recorded=recorded, _op=op, **kwargs):
+            if id(self) in _recorded:
                 on_sync(_op)
             _recorded.discard(id(self))
             return _original(self, *args, **kwargs)
 
-        if record is not None and record in cls.__dict__:
-            original_record = cls.__dict__[record]
+        def counted_record(self, *args, _original=original_record, _recorded=recorded, **kwargs):
+            _recorded.add(id(self))
+            return _original(self, *args, **kwargs)
 
-            def counted_record(self, *args, _original=original_record, _recorded=recorded, **kwargs):
-                _recorded.add(id(self))
-                return _original(self, *args, **kwargs)
-
-            setattr(cls, record, counted_record)
-            stack.callback(setattr, cls, record, original_record)
-        setattr(cls, wait, counted_wait)
-        stack.callback(setattr, cls, wait, original_wait)
+        for name, replacement, original in ((record, counted_record, original_record), (wait, counted_wait,
+                                                                                        original_wait)):
+            setattr(cls, name, replacement)
+            stack.callback(setattr, cls, name, original)
 
 
 def _count_waits(on_sync: Callable[[str], None], device: str, stack: contextlib.ExitStack) -> None:

@@ -138,7 +138,7 @@ def _left_out(change: Change) -> tuple:
     """The state of a change that its switch (or ``UPSTREAM_ONLY``, or being opt-in) leaves out."""
     if settings.upstream_only():
         return (State.OFF, f"{settings.UPSTREAM_ONLY}: left out")
-    if change.opt_in and not settings.flag(change.switch):
+    if settings.off_as_by_default(change):
         return (State.OFF, f"opt-in: {change.opt_in} ({change.switch}=1 turns it on)")
     return (State.OFF, f"{change.switch}=0: left out")
 

@@ -86,6 +86,12 @@ def change_on(change) -> bool:
         change.switch, odd=False, unset=not change.opt_in, odd_means=f"so {change.title} is left out")
 
 
+def off_as_by_default(change) -> bool:
+    """Whether ``change`` is an opt-in one that nothing switches on (neither its switch nor ``UPSTREAM_ONLY`` set):
+    off because the package's defaults leave it off."""
+    return bool(change.opt_in) and not upstream_only() and not flag(change.switch)
+
+
 def skip_log_on() -> bool:
     """Whether to say each skipped step (:mod:`deepspeed_offload_patch.skip_log`): unless ``SKIP_LOG`` is false or
     ``UPSTREAM_ONLY`` is true; an odd value reads as off, with a warning."""

@@ -17,7 +17,7 @@ Each is read in DeepSpeed's source (``docs/gpu.md`` has the measured ones):
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 #: The kinds of host wait, each its own column in ``audit`` and ``bench``: a read of a tensor's value (``.item()``, an
 #: ``if`` on a tensor), a wait on an event, on a stream, on the whole device, and a copy into host memory that
@@ -45,6 +45,8 @@ def kind_of(op: str) -> str:
 YES, NO, MAYBE = "yes", "no", "maybe"
 #: The first release whose ``offload_optimizer.pin_memory`` defaults to true.
 PINNED_BY_DEFAULT = "0.19.5"
+#: The first release whose ZeRO-3 copies each partitioned gradient to the CPU without blocking.
+ZERO3_NON_BLOCKING = "0.19.5"
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _pageable(job, release: Optional[Version]) -> Tuple[str, str]:
 def _zero3_copies(job, release: Optional[Version]) -> Tuple[str, str]:
     if job.offload is None or job.stage not in (3, "auto"):
         return NO, "not ZeRO-3 with offload_optimizer"
-    if release is not None and release >= Version(PINNED_BY_DEFAULT):
+    if release is not None and release >= Version(ZERO3_NON_BLOCKING):
         return NO, f"DeepSpeed {release} copies without blocking"
     maybe = MAYBE if job.stage == "auto" or release is None else YES
     return maybe, "ZeRO-3 with offload_optimizer up to 0.19.4"
@@ -89,13 +91,5 @@ WAITS = (
     HostWait(
         BLOCKING_COPY, "ZeRO-3's copy of each partitioned gradient into the optimizer's CPU buffer, per tensor "
         "at the boundary (0.15.4 - 0.16.2: a device synchronize per tensor)", _zero3_copies,
-        f"DeepSpeed {PINNED_BY_DEFAULT} or later (no change of this package removes it yet)"),
+        f"DeepSpeed {ZERO3_NON_BLOCKING} or later (no change of this package removes it yet)"),
 )
-
-
-def release(version: Optional[str]) -> Optional[Version]:
-    """The release part of ``version`` (``0.19.8+abc`` gives 0.19.8), or None when it is unknown or no version."""
-    try:
-        return Version(Version(version).base_version) if version else None
-    except InvalidVersion:
-        return None
